@@ -1,0 +1,16 @@
+// The one place where tr_engine's op schemas live (the extension-cpp pattern). Each backend file registers its
+// kernels with TORCH_LIBRARY_IMPL; tr_engine/reference.py holds the pure-PyTorch twin that specifies each op.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(tr_engine, m) {
+  // For every (layer, k|v, head) row of cache [L, 2, Hkv, S, D]: slots dst_start + i <- old slot src_slots[i],
+  // i = 0..n-1, all read before any is written (overlapping ranges are safe; a repeated source is copied to each of
+  // its destinations). src_slots: int64 [n], each in [0, S); dst_start + n <= S. Slots outside the destination
+  // range are left as they were.
+  m.def("compact_kv_(Tensor(a!) cache, Tensor src_slots, int dst_start) -> ()");
+}
+
+// `import tr_engine._C` loads this library, which runs the registrations above; the module itself is empty.
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module_def); }

@@ -1,0 +1,37 @@
+"""Builds tr_engine and its op library tr_engine._C (C++ CPU kernels always; CUDA kernels when torch has CUDA and
+nvcc is found). Install without build isolation so the build uses the torch already installed:
+
+    pip install --no-build-isolation -e .
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+
+def extension():
+    sources = ["csrc/registration.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-std=c++17"]
+    import torch
+
+    with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if os.environ.get("TR_ENGINE_NO_CUDA") == "1":
+        with_cuda = False
+    if not with_cuda:
+        return cpp_extension.CppExtension("tr_engine._C", sources, extra_compile_args={"cxx": cxx})
+    sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
+    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    return cpp_extension.CUDAExtension("tr_engine._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+
+
+setup(
+    name="tr_engine",
+    version="0.1.0",
+    description="Token Recycling: lossless speculative decoding with no draft model, with C++/CUDA kernels",
+    packages=find_packages(include=["tr_engine", "tr_engine.*", "weights_tools", "weights_tools.*"]),
+    python_requires=">=3.10",
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+)

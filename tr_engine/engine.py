@@ -1,0 +1,119 @@
+"""The Python API: load a model once, then generate. The command-line tools and the benchmarks go through it.
+
+    engine = Engine.from_pretrained("smollm2-135m-instruct", dtype="float32")
+    result = engine.generate("What is the capital of France?", max_new_tokens=64)
+    print(result.text, result.tokens_per_s)
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tr_engine.decode import Generation, greedy_generate
+from tr_engine.errors import UserError
+from tr_engine.kv_cache import KVCache
+from tr_engine.model import Llama
+from tr_engine.models import resolve_model
+from tr_engine.ops import load_ops
+from tr_engine.tokenizer import Tokenizer, load_tokenizer
+from tr_engine.weights import load_model, parse_dtype
+
+DEFAULT_MAX_CONTEXT = 8192  # cache capacity when the model allows more; --max-context raises it
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    generation: Generation
+
+    @property
+    def tokens_per_s(self) -> float:
+        g = self.generation
+        return len(g.token_ids) / (g.prefill_s + g.decode_s) if g.token_ids else 0.0
+
+    def as_dict(self) -> dict:
+        g = self.generation
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": g.prompt_tokens,
+            "new_tokens": len(g.token_ids),
+            "finish_reason": g.finish_reason,
+            "steps": g.steps,
+            "prefill_s": round(g.prefill_s, 6),
+            "decode_s": round(g.decode_s, 6),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+        }
+
+
+class Engine:
+    def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, ops: str = "kernels"):
+        self.model, self.tokenizer, self.folder = model, tokenizer, folder
+        self.ops = load_ops(ops)
+        w = model.lm_head.weight
+        self.cache = KVCache(model.config, max_context, w.dtype, w.device)
+        model.set_max_positions(max_context)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        max_context: int | None = None,
+        model_dir: str | None = None,
+        ops: str = "kernels",
+        threads: int | None = None,
+    ) -> "Engine":
+        if threads:
+            torch.set_num_threads(threads)
+        folder = resolve_model(name_or_path, model_dir)
+        dtype = parse_dtype(dtype)
+        device = _check_device(device)
+        model = load_model(folder, dtype, device)
+        limit = model.config.max_position_embeddings
+        if max_context is not None and not 1 <= max_context <= limit:
+            raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
+        tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
+        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops)
+
+    def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
+        """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise UserError("the prompt is empty; give some text to answer")
+            if not chat_template:
+                return self.tokenizer.encode(prompt)
+            prompt = [{"role": "user", "content": prompt}]
+        if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise UserError("messages must be a non-empty list of {'role': …, 'content': …} dicts")
+        return self.tokenizer.encode_chat(prompt)
+
+    @torch.inference_mode()
+    def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True) -> GenerateResult:
+        """Answer one prompt from an empty cache with plain greedy decoding."""
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        ids = self.prompt_ids(prompt, chat_template)
+        self.cache.reset()
+        gen = greedy_generate(self.model, self.cache, ids, max_new_tokens, self.tokenizer.eos_ids)
+        text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
+        return GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, ids, gen)
+
+
+def _check_device(device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but this torch build has no CUDA device; use --device cpu")
+    return device
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0))

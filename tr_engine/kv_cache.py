@@ -1,0 +1,32 @@
+"""The KV cache: one preallocated tensor for all layers, [L, 2 (k, v), Hkv, S, D], plus a host-side length.
+
+Slots 0..length-1 hold the committed sequence. A forward writes its new tokens at slots length.., and the decode loop
+either commits them (causal input) or compacts the accepted ones (a tree) with one op over all layers.
+"""
+
+import torch
+
+from tr_engine.config import LlamaConfig
+from tr_engine.errors import ContextOverflow
+
+
+class KVCache:
+    def __init__(self, config: LlamaConfig, capacity: int, dtype: torch.dtype, device):
+        shape = (config.num_hidden_layers, 2, config.num_key_value_heads, capacity, config.head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, Hkv, S, D]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[3]
+
+    def check_room(self, n_tokens: int, what: str = "this request") -> None:
+        """Raise a one-line error unless `n_tokens` more tokens fit after the committed ones."""
+        if self.length + n_tokens > self.capacity:
+            raise ContextOverflow(
+                f"{what} needs {self.length + n_tokens} tokens of context but the cache holds {self.capacity}; "
+                "shorten the prompt, lower --max-new-tokens, or raise --max-context (up to the model's limit)"
+            )
+
+    def reset(self) -> None:
+        self.length = 0

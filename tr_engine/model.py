@@ -1,0 +1,207 @@
+"""A Llama decoder (Llama 1/2/3, Vicuna, SmolLM2) written out by hand, for one sequence at a time.
+
+Module names equal the Hugging Face checkpoint keys, so loading is a strict `load_state_dict`. One forward serves
+prefill, plain decoding and draft-tree verification: the caller passes the new tokens' positions, the cache slot where
+they go, and whether they attend causally or through a tree mask.
+
+Glossary: T new tokens, P cached prefix tokens, S cache capacity, Hq/Hkv query/key-value heads, G = Hq // Hkv,
+D head dim, E hidden size, F FFN size, V vocab, L layers.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tr_engine.config import LlamaConfig, rope_inv_freq
+
+
+def fuse_linears_(k_major: bool, *linears: nn.Linear) -> torch.Tensor:
+    """Concatenate the weights of bias-free linears that read the same input into one [in, sum(out)] operand for
+    `x @ w`, and make each module's weight a view of it, so the state_dict is unchanged and no memory is added.
+
+    k_major stores it as [in, out] in memory: on CPUs in float32 a 1-row matmul streams that layout about 1.4x faster
+    than [out, in] (bench/README.md); elsewhere [out, in] is kept and the operand is its transposed view.
+    """
+    w = torch.cat([m.weight.data for m in linears])  # [sum(out), in]
+    w_t = w.t().contiguous() if k_major else w.t()  # [in, sum(out)]
+    offset = 0
+    for m in linears:
+        m.weight.data = w_t[:, offset : offset + m.out_features].t()
+        offset += m.out_features
+    return w_t
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Half types normalise in float32 (as the checkpoints were trained); float32/float64 stay in their own type.
+        h = x.float() if x.element_size() < 4 else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_table(config: LlamaConfig, max_positions: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for positions 0..max_positions-1, each [max_positions, D]: (cos, cos) and (-sin, sin).
+
+    The angles are computed in float32 exactly as Hugging Face does, then cast to `dtype`.
+    """
+    inv_freq = rope_inv_freq(config).to(device)  # [D/2]
+    angles = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos(), angles.sin()  # [S, D/2]
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by its positions' angles, pairing dimension i with i + D/2 (Hugging Face's layout).
+
+    With x = (x1, x2) and cos/sin [T, D] from rope_table: (x1 c - x2 s, x2 c + x1 s) = x * cos + swap(x) * sin,
+    where swap(x) = (x2, x1). The same IEEE operations as Hugging Face's rotate_half, in four ops.
+    """
+    T, H, D = x.shape
+    swapped = x.view(T, H, 2, D // 2).flip(2).view(T, H, D)
+    return torch.addcmul(x * cos[:, None, :], swapped, sin[:, None, :])
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        E, D = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(E, self.n_heads * D, bias=False)
+        self.k_proj = nn.Linear(E, self.n_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(E, self.n_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * D, E, bias=False)
+        self.qkv_t: torch.Tensor | None = None  # [E, (Hq + 2 Hkv) D], set by fuse_()
+        self.o_t: torch.Tensor | None = None  # [Hq D, E]
+
+    def fuse_(self, k_major: bool) -> None:
+        self.qkv_t = fuse_linears_(k_major, self.q_proj, self.k_proj, self.v_proj)
+        self.o_t = fuse_linears_(k_major, self.o_proj)
+
+    def forward(self, x, cos, sin, kv, start: int, mask):
+        """x [T, E]; kv [2, Hkv, S, D] this layer's cache, new K/V written at slots start..start+T-1;
+        mask None (T == 1: see everything cached) or bool [G*T, P+T] (True = may attend)."""
+        T, D, Hq, Hkv = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
+        qkv = (x @ self.qkv_t).view(T, Hq + 2 * Hkv, D)  # [T, Hq + 2 Hkv, D]: q heads, then k, then v
+        qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq + Hkv, D], q and k rotated together
+        end = start + T
+        kv[0, :, start:end] = qk[:, Hq:].transpose(0, 1)
+        kv[1, :, start:end] = qkv[:, Hq + Hkv :].transpose(0, 1)
+        # Grouped-query attention without copying K/V: the G query heads that share a KV head are folded into the
+        # row dimension, [T, Hq, D] -> [Hkv, G*T, D], so each KV head is read once, as plain multi-head attention.
+        # 4-D inputs select PyTorch's fused CPU/GPU attention kernels (3-D ones fall back to the unfused math path).
+        q = qk[:, :Hq].reshape(T, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3).reshape(1, Hkv, -1, D)  # [1, Hkv, G*T, D]
+        o = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask)
+        o = o.view(Hkv, Hq // Hkv, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)  # [T, Hq*D]
+        return o @ self.o_t
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        E, Fd = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(E, Fd, bias=False)
+        self.up_proj = nn.Linear(E, Fd, bias=False)
+        self.down_proj = nn.Linear(Fd, E, bias=False)
+        self.gate_up_t: torch.Tensor | None = None  # [E, 2F], set by fuse_()
+        self.down_t: torch.Tensor | None = None  # [F, E]
+
+    def fuse_(self, k_major: bool) -> None:
+        self.gate_up_t = fuse_linears_(k_major, self.gate_proj, self.up_proj)
+        self.down_t = fuse_linears_(k_major, self.down_proj)
+
+    def forward(self, x):
+        gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)  # [T, F] each
+        return (F.silu(gate) * up) @ self.down_t
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    """The causal LM. Build on the `meta` device and fill with `tr_engine.weights.load_model`."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaBody(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None  # [S, D], from set_max_positions()
+        self.rope_sin: torch.Tensor | None = None
+        self.lm_head_t: torch.Tensor | None = None  # [E, V], from fuse_()
+
+    def set_max_positions(self, n: int) -> None:
+        """Precompute the rotary table for positions 0..n-1 (the cache capacity), in the model's dtype and device."""
+        w = self.lm_head.weight
+        self.rope_cos, self.rope_sin = rope_table(self.config, n, w.dtype, w.device)
+
+    def fuse_(self) -> None:
+        """Prepare the matmul operands: q/k/v and gate/up fused, each weight laid out for `x @ w` (see fuse_linears_).
+        The state_dict is unchanged. A tied LM head in [in, out] layout gets its own copy (the embedding needs rows)."""
+        w = self.lm_head.weight
+        k_major = w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
+        for layer in self.model.layers:
+            layer.self_attn.fuse_(k_major)
+            layer.mlp.fuse_(k_major)
+        if self.lm_head.weight is self.model.embed_tokens.weight:
+            self.lm_head_t = w.t().contiguous() if k_major else w.t()
+        else:
+            self.lm_head_t = fuse_linears_(k_major, self.lm_head)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        start: int,
+        tree_mask: torch.Tensor | None = None,
+        last_logits_only: bool = False,
+    ) -> torch.Tensor:
+        """Run T new tokens against the P = `start` tokens already in the cache and return their logits.
+
+        input_ids [T] int64; positions [T] int64 (P..P+T-1 for causal input, P + depth for a tree);
+        kv_cache [L, 2, Hkv, S, D], updated in place: the new tokens' K/V go to slots start..start+T-1;
+        tree_mask None for causal attention among the new tokens, else bool [T, T], True where token i may attend
+        to token j (a tree token sees its ancestors and itself). Every new token sees all P cached tokens.
+        Returns logits [T, V] in float32, or [1, V] for the last token when `last_logits_only`.
+        """
+        T = input_ids.shape[0]
+        G = self.config.num_attention_heads // self.config.num_key_value_heads
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D] each
+        mask = None
+        if T > 1 or tree_mask is not None:
+            new = tree_mask if tree_mask is not None else torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+            seen = torch.ones(T, start, dtype=torch.bool, device=input_ids.device)
+            mask = torch.cat([seen, new], dim=1).repeat(G, 1)  # [G*T, P+T], rows in folded (group, token) order
+        x = self.model.embed_tokens(input_ids)  # [T, E]
+        for layer, kv in zip(self.model.layers, kv_cache):
+            x = layer(x, cos, sin, kv, start, mask)
+        if last_logits_only:
+            x = x[-1:]
+        return (self.model.norm(x) @ self.lm_head_t).float()  # [T, V]

@@ -1,0 +1,172 @@
+"""Tokenizers behind one interface: `tokenizer.json` (byte-level BPE: SmolLM2, Llama-3) through the `tokenizers`
+library, and sentencepiece `tokenizer.model` (Llama-1/2, Vicuna). BOS/EOS rules and the chat template come from the
+model folder. `StreamDecoder` turns token ids into text incrementally without ever emitting a broken UTF-8 character.
+"""
+
+import json
+import re
+from pathlib import Path
+
+from tr_engine.chat_template import ChatTemplate
+from tr_engine.errors import UserError
+
+
+class Tokenizer:
+    """encode/decode plus the special ids the decode loop needs."""
+
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    add_bos: bool
+    vocab_size: int
+    chat_template: ChatTemplate
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special-token strings in it (e.g. '<|im_start|>') become their ids."""
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render `messages` ([{'role', 'content'}, …]) with the model's chat template and tokenize the result."""
+        text = self.chat_template.render(messages, add_generation_prompt)
+        # Templates that start with the BOS text already carry it; otherwise follow the tokenizer's own rule.
+        return self.encode(text, add_bos=self.add_bos and not text.startswith(self.chat_template.bos_token or "\0"))
+
+    def fingerprint(self) -> str:
+        """A short stable hash of the vocabulary: what a saved recycling matrix is checked against."""
+        import hashlib
+
+        pieces = "\n".join(self.decode([i]) for i in range(min(self.vocab_size, 4096)))
+        return hashlib.sha256(f"{self.vocab_size}\n{pieces}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def _read_tokenizer_config(folder: Path) -> dict:
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); re-download or regenerate it")
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes special tokens either as strings or as {'content': …} objects."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class HFTokenizer(Tokenizer):
+    """A `tokenizer.json` run by Hugging Face's `tokenizers` library (byte-level BPE and friends)."""
+
+    def __init__(self, folder: Path, config: dict, eos_ids: tuple[int, ...]):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        try:
+            self.tok = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the library raises a bare Exception for corrupt files
+            raise UserError(f"{folder / 'tokenizer.json'} cannot be read ({e}); re-download or regenerate it")
+        bos = _token_text(config.get("bos_token"))
+        self.bos_id = self.tok.token_to_id(bos) if bos else None
+        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_id is not None
+        eos = _token_text(config.get("eos_token"))
+        extra = (self.tok.token_to_id(eos),) if eos and self.tok.token_to_id(eos) is not None else ()
+        self.eos_ids = tuple(dict.fromkeys(eos_ids + extra))
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = ChatTemplate.from_config(folder, config, bos or "", eos or "")
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece `tokenizer.model` (Llama-1/2, Vicuna), tokenizing as Hugging Face's Llama tokenizer does:
+    special-token strings in the text are split out and mapped to their ids (sentencepiece alone would spell them
+    out), and only the start of the text gets sentencepiece's dummy-prefix space, unless tokenizer_config.json says
+    `"legacy": true` (then every piece after a special token gets one too).
+    """
+
+    def __init__(self, folder: Path, config: dict, eos_ids: tuple[int, ...]):
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.Load(str(folder / "tokenizer.model"))
+        except (OSError, RuntimeError) as e:
+            raise UserError(f"{folder / 'tokenizer.model'} cannot be read ({e}); re-download it")
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.add_bos = bool(config.get("add_bos_token", True)) and self.bos_id is not None
+        sp_eos = (self.sp.eos_id(),) if self.sp.eos_id() >= 0 else ()
+        self.eos_ids = tuple(dict.fromkeys(eos_ids + sp_eos))
+        self.vocab_size = self.sp.GetPieceSize()
+        self.legacy = bool(config.get("legacy", False))
+        # Encoding "<unk>" + text and dropping the pieces of "<unk>" encodes text without the dummy prefix.
+        self.unk_text = self.sp.IdToPiece(self.sp.unk_id())
+        self.unk_len = len(self.sp.encode(self.unk_text))
+        self.specials = {self.sp.IdToPiece(i): i for i in range(self.vocab_size) if self.sp.IsControl(i) or self.sp.IsUnknown(i)}
+        self.special_re = re.compile("(" + "|".join(re.escape(s) for s in sorted(self.specials, key=len, reverse=True)) + ")")
+        bos = self.sp.IdToPiece(self.bos_id) if self.bos_id is not None else ""
+        eos = self.sp.IdToPiece(self.sp.eos_id()) if self.sp.eos_id() >= 0 else ""
+        self.chat_template = ChatTemplate.from_config(folder, config, bos, eos)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) else []
+        for i, part in enumerate(self.special_re.split(text) if self.specials else [text]):
+            if part in self.specials:
+                ids.append(self.specials[part])
+            elif part and (i == 0 or self.legacy):
+                ids += self.sp.encode(part)
+            elif part:
+                ids += self.sp.encode(self.unk_text + part)[self.unk_len :]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode(list(ids))
+
+
+def load_tokenizer(folder: str | Path, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+    """The tokenizer of a model folder: tokenizer.json if present, else sentencepiece tokenizer.model."""
+    folder = Path(folder)
+    config = _read_tokenizer_config(folder)
+    if (folder / "tokenizer.json").is_file():
+        return HFTokenizer(folder, config, eos_ids)
+    if (folder / "tokenizer.model").is_file():
+        return SentencePieceTokenizer(folder, config, eos_ids)
+    raise UserError(f"{folder} has no tokenizer.json or tokenizer.model; copy the tokenizer files into the model folder")
+
+
+class StreamDecoder:
+    """Incremental detokenisation: feed ids as they are accepted, get back only complete new text.
+
+    Decodes a short window of recent ids and emits the part that grew; text ending in U+FFFD (a partial UTF-8
+    sequence split across tokens) is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prefix_ids: list[int] = ()):
+        self.tok = tokenizer
+        self.ids = list(prefix_ids)[-4:]  # context so word-initial spaces decode as they would mid-text
+        self.offset = len(self.ids)  # ids before this are context already emitted or not ours
+        self.emitted = len(self.tok.decode(self.ids)) if self.ids else 0
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids += list(new_ids)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        out = text[self.emitted :]
+        # Keep the window short: restart it from the last few ids once everything is emitted.
+        keep = self.ids[-4:]
+        self.ids, self.emitted = keep, len(self.tok.decode(keep))
+        return out
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids)
+        out = text[self.emitted :]
+        self.ids, self.emitted = [], 0
+        return out

@@ -1,0 +1,100 @@
+"""Loads a Hugging Face model folder's safetensors into the hand-written Llama, strictly.
+
+Single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`) folders. The model is built on the
+`meta` device and each tensor is cast to the requested dtype as it is read, so a model loads in about one model's
+worth of memory. Every missing, unexpected or mis-shaped key is an error that names it.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tr_engine.config import LlamaConfig
+from tr_engine.errors import UserError, WeightsError
+from tr_engine.model import Llama
+
+# Keys some checkpoints carry that hold no learned weights (old Llama/Vicuna exports save RoPE's inv_freq buffer).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}; choose one of float32, bfloat16, float16, float64")
+    return DTYPES[name]
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's safetensors shards, in index order; a clear error when there are none."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise WeightsError(f"{index} is not a valid safetensors index ({e}); re-download or regenerate it")
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise WeightsError(f"{folder}: shards listed in the index are missing: {', '.join(missing)}; "
+                               "download them again")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if list(folder.glob("pytorch_model*.bin")):
+        raise WeightsError(f"{folder} has PyTorch .bin weights only; convert them first: "
+                           f"python -m weights_tools.bin_to_safetensors {folder}")
+    raise WeightsError(f"{folder} has no model.safetensors or model.safetensors.index.json; "
+                       "point --model at a Hugging Face model folder")
+
+
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Llama:
+    """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"model folder {folder} does not exist; pass a Hugging Face model folder or a known model name")
+    config = LlamaConfig.from_json(folder / "config.json")
+    with torch.device("meta"):
+        model = Llama(config)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+
+    state, unexpected = {}, []
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if key.endswith(IGNORED_SUFFIXES) or (key == "lm_head.weight" and config.tie_word_embeddings):
+                        continue
+                    if key not in expected:
+                        unexpected.append(key)
+                        continue
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != tuple(expected[key]):
+                        raise WeightsError(f"{path.name}: weight {key} has shape {list(shape)}, the config implies "
+                                           f"{list(expected[key])}; config.json and the weights do not match")
+                    state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+        except SafetensorError as e:
+            raise WeightsError(f"{path} is corrupt or truncated ({e}); download or convert it again")
+    missing = sorted(set(expected) - set(state))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} weight(s): {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)}: {', '.join(sorted(unexpected)[:3])}"
+                         f"{' …' if len(unexpected) > 3 else ''}")
+        raise WeightsError(f"{folder}: {'; '.join(parts)}; the weights do not belong to this Llama config")
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.lm_head.weight = model.model.embed_tokens.weight if config.tie_word_embeddings else model.lm_head.weight
+    model.requires_grad_(False).eval()
+    model.fuse_()
+    return model

@@ -1,0 +1,4 @@
+"""Offline tools that turn model files into the Hugging Face folders tr_engine loads.
+
+Each module is a command: `python -m weights_tools.<name> --help`.
+"""

