@@ -9,6 +9,11 @@ TORCH_LIBRARY(tr_engine, m) {
   // its destinations). src_slots: int64 [n], each in [0, S); dst_start + n <= S. Slots outside the destination
   // range are left as they were.
   m.def("compact_kv_(Tensor(a!) cache, Tensor src_slots, int dst_start) -> ()");
+
+  // y = x @ w.T (F.linear without bias) for T = 1..16 rows of x [T, K] and a contiguous weight w [N, K] of the same
+  // dtype; accumulates in float32 and rounds once to x's dtype. The matmul of a decode step, where streaming w from
+  // memory is the whole cost.
+  m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 // `import tr_engine._C` loads this library, which runs the registrations above; the module itself is empty.

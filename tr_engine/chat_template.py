@@ -12,13 +12,14 @@ VICUNA_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. "
     "The assistant gives helpful, detailed, and polite answers to the user's questions."
 )
-# FastChat's "vicuna_v1.1": system, then "USER: … ASSISTANT: …</s>" turns, separated by single spaces.
+# FastChat's "vicuna_v1.1": "SYSTEM USER: hi ASSISTANT: hello</s>USER: …" (a space after the system prompt and
+# after each user turn, "</s>" after each assistant turn).
 VICUNA_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% set turns = messages[1:] %}"
-    "{% else %}{{ '" + VICUNA_SYSTEM + "' }}{% set turns = messages %}{% endif %}"
-    "{% for m in turns %}{% if m['role'] == 'user' %}{{ ' USER: ' + m['content'] }}"
-    "{% else %}{{ ' ASSISTANT: ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ ' ASSISTANT:' }}{% endif %}"
+    '{% else %}{{ "' + VICUNA_SYSTEM + '" }}{% set turns = messages %}{% endif %}{{ " " }}'
+    "{% for m in turns %}{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + ' ' }}"
+    "{% else %}{{ 'ASSISTANT: ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 # For base models with no template: plain "User:/Assistant:" turns.
 PLAIN_TEMPLATE = (

@@ -74,7 +74,7 @@ class Engine:
         folder = resolve_model(name_or_path, model_dir)
         dtype = parse_dtype(dtype)
         device = _check_device(device)
-        model = load_model(folder, dtype, device)
+        model = load_model(folder, dtype, device, ops)
         limit = model.config.max_position_embeddings
         if max_context is not None and not 1 <= max_context <= limit:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")

@@ -15,20 +15,14 @@ from torch import nn
 from tr_engine.config import LlamaConfig, rope_inv_freq
 
 
-def fuse_linears_(k_major: bool, *linears: nn.Linear) -> torch.Tensor:
-    """Concatenate the weights of bias-free linears that read the same input into one [in, sum(out)] operand for
-    `x @ w`, and make each module's weight a view of it, so the state_dict is unchanged and no memory is added.
-
-    k_major stores it as [in, out] in memory: on CPUs in float32 a 1-row matmul streams that layout about 1.4x faster
-    than [out, in] (bench/README.md); elsewhere [out, in] is kept and the operand is its transposed view.
-    """
+def fuse_linears_(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate the weights of bias-free linears that read the same input into one [sum(out), in] matrix (one
+    matmul instead of several) and make each module's weight a view of it: the state_dict is unchanged and no memory
+    is added."""
     w = torch.cat([m.weight.data for m in linears])  # [sum(out), in]
-    w_t = w.t().contiguous() if k_major else w.t()  # [in, sum(out)]
-    offset = 0
-    for m in linears:
-        m.weight.data = w_t[:, offset : offset + m.out_features].t()
-        offset += m.out_features
-    return w_t
+    for m, part in zip(linears, w.split([m.out_features for m in linears])):
+        m.weight.data = part
+    return w
 
 
 class RMSNorm(nn.Module):
@@ -79,18 +73,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(E, self.n_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(E, self.n_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.n_heads * D, E, bias=False)
-        self.qkv_t: torch.Tensor | None = None  # [E, (Hq + 2 Hkv) D], set by fuse_()
-        self.o_t: torch.Tensor | None = None  # [Hq D, E]
+        self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) D, E], set by fuse_()
 
-    def fuse_(self, k_major: bool) -> None:
-        self.qkv_t = fuse_linears_(k_major, self.q_proj, self.k_proj, self.v_proj)
-        self.o_t = fuse_linears_(k_major, self.o_proj)
+    def fuse_(self) -> None:
+        self.qkv_weight = fuse_linears_(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x, cos, sin, kv, start: int, mask):
+    def forward(self, x, cos, sin, kv, start: int, mask, linear):
         """x [T, E]; kv [2, Hkv, S, D] this layer's cache, new K/V written at slots start..start+T-1;
         mask None (T == 1: see everything cached) or bool [G*T, P+T] (True = may attend)."""
         T, D, Hq, Hkv = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
-        qkv = (x @ self.qkv_t).view(T, Hq + 2 * Hkv, D)  # [T, Hq + 2 Hkv, D]: q heads, then k, then v
+        qkv = linear(x, self.qkv_weight).view(T, Hq + 2 * Hkv, D)  # [T, Hq + 2 Hkv, D]: q heads, then k, then v
         qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq + Hkv, D], q and k rotated together
         end = start + T
         kv[0, :, start:end] = qk[:, Hq:].transpose(0, 1)
@@ -101,7 +93,7 @@ class Attention(nn.Module):
         q = qk[:, :Hq].reshape(T, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3).reshape(1, Hkv, -1, D)  # [1, Hkv, G*T, D]
         o = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask)
         o = o.view(Hkv, Hq // Hkv, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)  # [T, Hq*D]
-        return o @ self.o_t
+        return linear(o, self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -111,16 +103,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(E, Fd, bias=False)
         self.up_proj = nn.Linear(E, Fd, bias=False)
         self.down_proj = nn.Linear(Fd, E, bias=False)
-        self.gate_up_t: torch.Tensor | None = None  # [E, 2F], set by fuse_()
-        self.down_t: torch.Tensor | None = None  # [F, E]
+        self.gate_up_weight: torch.Tensor | None = None  # [2F, E], set by fuse_()
 
-    def fuse_(self, k_major: bool) -> None:
-        self.gate_up_t = fuse_linears_(k_major, self.gate_proj, self.up_proj)
-        self.down_t = fuse_linears_(k_major, self.down_proj)
+    def fuse_(self) -> None:
+        self.gate_up_weight = fuse_linears_(self.gate_proj, self.up_proj)
 
-    def forward(self, x):
-        gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)  # [T, F] each
-        return (F.silu(gate) * up) @ self.down_t
+    def forward(self, x, linear):
+        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, F] each
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -131,9 +121,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv, start, mask, linear):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, mask, linear)
+        return x + self.mlp(self.post_attention_layernorm(x), linear)
 
 
 class LlamaBody(nn.Module):
@@ -145,16 +135,20 @@ class LlamaBody(nn.Module):
 
 
 class Llama(nn.Module):
-    """The causal LM. Build on the `meta` device and fill with `tr_engine.weights.load_model`."""
+    """The causal LM. Build on the `meta` device and fill with `tr_engine.weights.load_model`.
 
-    def __init__(self, config: LlamaConfig):
+    `linear(x [T, in], w [out, in]) -> [T, out]` computes every projection: F.linear, or the ops' version of it
+    (tr_engine.ops), which streams the weights faster for the few rows of a decode step.
+    """
+
+    def __init__(self, config: LlamaConfig, linear=F.linear):
         super().__init__()
         self.config = config
+        self.linear = linear
         self.model = LlamaBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope_cos: torch.Tensor | None = None  # [S, D], from set_max_positions()
         self.rope_sin: torch.Tensor | None = None
-        self.lm_head_t: torch.Tensor | None = None  # [E, V], from fuse_()
 
     def set_max_positions(self, n: int) -> None:
         """Precompute the rotary table for positions 0..n-1 (the cache capacity), in the model's dtype and device."""
@@ -162,17 +156,10 @@ class Llama(nn.Module):
         self.rope_cos, self.rope_sin = rope_table(self.config, n, w.dtype, w.device)
 
     def fuse_(self) -> None:
-        """Prepare the matmul operands: q/k/v and gate/up fused, each weight laid out for `x @ w` (see fuse_linears_).
-        The state_dict is unchanged. A tied LM head in [in, out] layout gets its own copy (the embedding needs rows)."""
-        w = self.lm_head.weight
-        k_major = w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
+        """Fuse the q/k/v and the gate/up projections into single matmuls (weights shared, state_dict unchanged)."""
         for layer in self.model.layers:
-            layer.self_attn.fuse_(k_major)
-            layer.mlp.fuse_(k_major)
-        if self.lm_head.weight is self.model.embed_tokens.weight:
-            self.lm_head_t = w.t().contiguous() if k_major else w.t()
-        else:
-            self.lm_head_t = fuse_linears_(k_major, self.lm_head)
+            layer.self_attn.fuse_()
+            layer.mlp.fuse_()
 
     def forward(
         self,
@@ -189,7 +176,7 @@ class Llama(nn.Module):
         kv_cache [L, 2, Hkv, S, D], updated in place: the new tokens' K/V go to slots start..start+T-1;
         tree_mask None for causal attention among the new tokens, else bool [T, T], True where token i may attend
         to token j (a tree token sees its ancestors and itself). Every new token sees all P cached tokens.
-        Returns logits [T, V] in float32, or [1, V] for the last token when `last_logits_only`.
+        Returns logits [T, V] in float32 (float64 for a float64 model), or [1, V] for the last token when `last_logits_only`.
         """
         T = input_ids.shape[0]
         G = self.config.num_attention_heads // self.config.num_key_value_heads
@@ -201,7 +188,8 @@ class Llama(nn.Module):
             mask = torch.cat([seen, new], dim=1).repeat(G, 1)  # [G*T, P+T], rows in folded (group, token) order
         x = self.model.embed_tokens(input_ids)  # [T, E]
         for layer, kv in zip(self.model.layers, kv_cache):
-            x = layer(x, cos, sin, kv, start, mask)
+            x = layer(x, cos, sin, kv, start, mask, self.linear)
         if last_logits_only:
             x = x[-1:]
-        return (self.model.norm(x) @ self.lm_head_t).float()  # [T, V]
+        logits = self.linear(self.model.norm(x), self.lm_head.weight)  # [T, V]
+        return logits if logits.element_size() >= 4 else logits.float()

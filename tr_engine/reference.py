@@ -14,3 +14,8 @@ def compact_kv_(cache: torch.Tensor, src_slots: torch.Tensor, dst_start: int) ->
     """
     n = src_slots.numel()
     cache[:, :, :, dst_start : dst_start + n] = cache.index_select(3, src_slots)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K].T for T <= 16, accumulated in float32 and rounded once to x's dtype."""
+    return torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)

@@ -88,7 +88,8 @@ class HFTokenizer(Tokenizer):
 class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece `tokenizer.model` (Llama-1/2, Vicuna), tokenizing as Hugging Face's Llama tokenizer does:
     special-token strings in the text are split out and mapped to their ids (sentencepiece alone would spell them
-    out), and only the start of the text gets sentencepiece's dummy-prefix space, unless tokenizer_config.json says
+    out), and only the start of the text gets sentencepiece's dummy-prefix space, and only when it does not already
+    start with a space (transformers >= 5; raw sentencepiece would write two), unless tokenizer_config.json says
     `"legacy": true` (then every piece after a special token gets one too).
     """
 
@@ -120,7 +121,7 @@ class SentencePieceTokenizer(Tokenizer):
         for i, part in enumerate(self.special_re.split(text) if self.specials else [text]):
             if part in self.specials:
                 ids.append(self.specials[part])
-            elif part and (i == 0 or self.legacy):
+            elif part and ((i == 0 and not part.startswith(" ")) or self.legacy):
                 ids += self.sp.encode(part)
             elif part:
                 ids += self.sp.encode(self.unk_text + part)[self.unk_len :]

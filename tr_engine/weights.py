@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from tr_engine.config import LlamaConfig
 from tr_engine.errors import UserError, WeightsError
 from tr_engine.model import Llama
+from tr_engine.ops import load_ops
 
 # Keys some checkpoints carry that hold no learned weights (old Llama/Vicuna exports save RoPE's inv_freq buffer).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -53,14 +54,15 @@ def safetensors_files(folder: Path) -> list[Path]:
                        "point --model at a Hugging Face model folder")
 
 
-def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Llama:
-    """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference."""
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", ops: str = "kernels") -> Llama:
+    """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference, its
+    projections computed by the `ops` kind's linear (tr_engine.ops)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist; pass a Hugging Face model folder or a known model name")
     config = LlamaConfig.from_json(folder / "config.json")
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(config, load_ops(ops).linear)
     expected = {name: p.shape for name, p in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -94,7 +96,6 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    model.lm_head.weight = model.model.embed_tokens.weight if config.tie_word_embeddings else model.lm_head.weight
     model.requires_grad_(False).eval()
     model.fuse_()
     return model

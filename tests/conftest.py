@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random Llama folders written on the spot, the default SmolLM2 model (fetched by `make test`
+before pytest runs, or here on first use), and Hugging Face `transformers` as the reference implementation."""
+
+import os
+
+import pytest
+import torch
+
+from weights_tools.tiny_llama import write_tiny_llama
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "slow: loads the 135M-parameter default model")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    """tiny_factory(name, **kwargs) -> folder of a tiny random Llama (cached per name for the session)."""
+    made = {}
+
+    def make(name: str = "tiny", **kwargs):
+        if name not in made:
+            made[name] = write_tiny_llama(tmp_path_factory.mktemp(name), **kwargs)
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from tr_engine.models import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    """transformers' LlamaForCausalLM on the same converted folder, float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    from tr_engine.engine import Engine
+
+    return Engine.from_pretrained(str(smollm2_dir), dtype="float32", max_context=1024)

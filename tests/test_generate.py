@@ -1,0 +1,89 @@
+"""Greedy generation through the API and the one-shot command, and the command's one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tr_engine.engine import Engine
+from tr_engine.errors import ContextOverflow, UserError
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "tr_engine.generate", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_missing_model_folder(tmp_path):
+    assert_one_line_error(run_cli("--model", str(tmp_path / "missing-model"), "--prompt", "hi"), "does not exist")
+
+
+def test_unknown_model_name():
+    assert_one_line_error(run_cli("--model", "no-such-model", "--prompt", "hi"), "unknown model", "vicuna-7b")
+
+
+def test_known_model_not_present_says_how_to_get_it(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tr_engine.generate", "--model", "vicuna-7b", "--prompt", "hi"],
+                          capture_output=True, text=True, env={"TR_ENGINE_HOME": str(tmp_path), "HOME": str(tmp_path),
+                                                               "PATH": "/usr/bin:/bin"})
+    assert_one_line_error(proc, "lmsys/vicuna-7b-v1.3", "python -m weights_tools.bin_to_safetensors")
+
+
+def test_prompt_beyond_the_cache(tiny_factory):
+    folder = tiny_factory("float32", dtype=torch.float64)
+    proc = run_cli("--model", str(folder), "--prompt", "word " * 100, "--max-context", "64")
+    assert_one_line_error(proc, "needs", "the cache holds 64", "--max-new-tokens")
+
+
+def test_empty_prompt(tiny_factory):
+    assert_one_line_error(run_cli("--model", str(tiny_factory("float32", dtype=torch.float64)), "--prompt", "  "),
+                          "prompt is empty")
+
+
+def test_context_overflow_counts_new_tokens(tiny_factory):
+    engine = Engine.from_pretrained(str(tiny_factory("float32", dtype=torch.float64)), max_context=64)
+    engine.generate("hi", max_new_tokens=10)
+    with pytest.raises(ContextOverflow):
+        engine.generate("hi", max_new_tokens=100)
+    with pytest.raises(UserError, match="outside 1..512"):
+        Engine.from_pretrained(str(tiny_factory("float32", dtype=torch.float64)), max_context=100000)
+
+
+def test_greedy_stops_exactly_at_eos(tiny_factory):
+    """With the EOS id set to the token greedy emits at step k, generation ends there, EOS included."""
+    engine = Engine.from_pretrained(str(tiny_factory("float32", dtype=torch.float64)), dtype="float64")
+    free = engine.generate("hello", max_new_tokens=20)
+    assert len(free.token_ids) == 20 and free.generation.finish_reason == "length"
+    k = 7
+    engine.tokenizer.eos_ids = (free.token_ids[k],)
+    first = free.token_ids.index(free.token_ids[k])
+    stopped = engine.generate("hello", max_new_tokens=20)
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.generation.finish_reason == "eos"
+
+
+def test_ops_reference_and_kernels_give_the_same_tokens(tiny_factory):
+    folder = str(tiny_factory("float32", dtype=torch.float64))
+    a = Engine.from_pretrained(folder, ops="reference").generate("hello", max_new_tokens=16)
+    b = Engine.from_pretrained(folder, ops="kernels").generate("hello", max_new_tokens=16)
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.slow
+def test_default_model_names_paris():
+    proc = run_cli("--prompt", "What is the capital of France?", "--max-new-tokens", "32", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "Paris" in out["text"]
+    assert out["new_tokens"] == len(out["token_ids"]) > 0 and out["decode_s"] > 0

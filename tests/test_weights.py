@@ -1,0 +1,133 @@
+"""Strict weight loading and each bad model folder's one-line error."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tr_engine.errors import UserError
+from tr_engine.weights import load_model
+from weights_tools.bin_to_safetensors import convert as bin_to_safetensors
+
+
+@pytest.fixture
+def folder(tiny_factory, tmp_path):
+    """A private copy of a tiny model folder that a test may break."""
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_factory("float32", dtype=torch.float64), dst)
+    return dst
+
+
+def rewrite(folder, edit):
+    weights = load_file(folder / "model.safetensors")
+    edit(weights)
+    save_file(weights, folder / "model.safetensors")
+
+
+def one_line_error(fn, *match):
+    with pytest.raises(UserError) as info:
+        fn()
+    message = str(info.value)
+    assert "\n" not in message
+    for m in match:
+        assert m in message, message
+    return message
+
+
+def test_loads_and_casts_once(folder):
+    model = load_model(folder, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    ref = load_file(folder / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"].to(torch.bfloat16)
+    assert torch.equal(model.model.layers[0].self_attn.k_proj.weight, ref)
+
+
+def test_missing_folder(tmp_path):
+    one_line_error(lambda: load_model(tmp_path / "nope"), "does not exist")
+
+
+def test_missing_key(folder):
+    rewrite(folder, lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
+    one_line_error(lambda: load_model(folder), "missing 1 weight(s): model.layers.1.mlp.up_proj.weight")
+
+
+def test_unexpected_key(folder):
+    rewrite(folder, lambda w: w.update({"model.layers.9.extra.weight": torch.zeros(2)}))
+    one_line_error(lambda: load_model(folder), "unexpected 1: model.layers.9.extra.weight")
+
+
+def test_inv_freq_buffers_are_ignored(folder):
+    rewrite(folder, lambda w: w.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)}))
+    load_model(folder)
+
+
+def test_wrong_shape(folder):
+    rewrite(folder, lambda w: w.update({"model.norm.weight": torch.ones(65)}))
+    one_line_error(lambda: load_model(folder), "model.norm.weight has shape [65]", "[64]")
+
+
+def test_truncated_safetensors(folder):
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    one_line_error(lambda: load_model(folder), "corrupt or truncated", "download or convert it again")
+
+
+def test_unsupported_hidden_act(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["hidden_act"] = "gelu"
+    (folder / "config.json").write_text(json.dumps(config))
+    one_line_error(lambda: load_model(folder), "hidden_act 'gelu' is not supported")
+
+
+def test_unsupported_rope_type(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    one_line_error(lambda: load_model(folder), "rope scaling type 'yarn' is not supported", "llama3")
+
+
+def test_bin_only_folder_says_how_to_convert(folder):
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    one_line_error(lambda: load_model(folder), "python -m weights_tools.bin_to_safetensors")
+
+
+def test_bin_to_safetensors_round_trip(folder, tmp_path):
+    """Two .bin shards with an index (as Vicuna ships) convert to safetensors shards that load to the same model."""
+    state = load_file(folder / "model.safetensors")
+    names = sorted(state)
+    src = tmp_path / "bin"
+    src.mkdir()
+    shutil.copy(folder / "config.json", src)
+    weight_map = {}
+    for i, part in enumerate([names[::2], names[1::2]]):
+        shard = f"pytorch_model-0000{i + 1}-of-00002.bin"
+        torch.save({n: state[n] for n in part} | {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)},
+                   src / shard)
+        weight_map.update({n: shard for n in part})
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    out = tmp_path / "converted"
+    bin_to_safetensors(src, out)
+    assert (out / "model.safetensors.index.json").is_file()
+    a, b = load_model(folder), load_model(out)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_bin_with_pickled_code_is_refused(tmp_path):
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pickled code ran",))
+
+    src = tmp_path / "evil"
+    src.mkdir()
+    with open(src / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"w": Evil()}, f)
+    from weights_tools.bin_to_safetensors import ConversionError
+
+    with pytest.raises(ConversionError, match="cannot be loaded safely"):
+        bin_to_safetensors(src, tmp_path / "out")
