@@ -5,7 +5,6 @@
     print(result.text, result.tokens_per_s)
 """
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,7 +112,3 @@ def _check_device(device) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but this torch build has no CUDA device; use --device cpu")
     return device
-
-
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0))

@@ -33,13 +33,6 @@ class Tokenizer:
         # Templates that start with the BOS text already carry it; otherwise follow the tokenizer's own rule.
         return self.encode(text, add_bos=self.add_bos and not text.startswith(self.chat_template.bos_token or "\0"))
 
-    def fingerprint(self) -> str:
-        """A short stable hash of the vocabulary: what a saved recycling matrix is checked against."""
-        import hashlib
-
-        pieces = "\n".join(self.decode([i]) for i in range(min(self.vocab_size, 4096)))
-        return hashlib.sha256(f"{self.vocab_size}\n{pieces}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
 
 def _read_tokenizer_config(folder: Path) -> dict:
     path = folder / "tokenizer_config.json"
@@ -152,7 +145,6 @@ class StreamDecoder:
     def __init__(self, tokenizer: Tokenizer, prefix_ids: list[int] = ()):
         self.tok = tokenizer
         self.ids = list(prefix_ids)[-4:]  # context so word-initial spaces decode as they would mid-text
-        self.offset = len(self.ids)  # ids before this are context already emitted or not ours
         self.emitted = len(self.tok.decode(self.ids)) if self.ids else 0
 
     def push(self, new_ids: list[int]) -> str:
