@@ -19,7 +19,8 @@ def load_ops(kind: str = "kernels") -> SimpleNamespace:
     """A namespace with one callable per op in OP_NAMES."""
     if kind == "reference":
         # The model's projections stay plain F.linear here: the readable engine, end to end.
-        return SimpleNamespace(kind=kind, linear=F.linear, **{name: getattr(reference, name) for name in OP_NAMES})
+        return SimpleNamespace(kind=kind, linear=F.linear, recycle_update_=reference.recycle_update_,
+                               **{name: getattr(reference, name) for name in OP_NAMES})
     if kind != "kernels":
         raise UserError(f"unknown ops {kind!r}; choose one of {', '.join(KINDS)}")
     try:
@@ -36,7 +37,8 @@ def load_ops(kind: str = "kernels") -> SimpleNamespace:
             return skinny(x, w)
         return F.linear(x, w)
 
-    return SimpleNamespace(kind=kind, linear=linear, **ops)
+    # The fused recycle-update kernel is issue 4's; until then both kinds share the reference.
+    return SimpleNamespace(kind=kind, linear=linear, recycle_update_=reference.recycle_update_, **ops)
 
 
 _fakes_registered = False

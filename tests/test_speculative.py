@@ -1,0 +1,152 @@
+"""Token Recycling and prompt lookup emit exactly plain greedy decoding's tokens (float64 tiny model), and the
+loop's pieces do what the paper says on hand-made inputs."""
+
+import pytest
+import torch
+
+from tr_engine import reference
+from tr_engine.decode import greedy_generate
+from tr_engine.drafters import Draft, PromptLookup, TokenRecycling
+from tr_engine.kv_cache import KVCache
+from tr_engine.matrix import RecyclingMatrix
+from tr_engine.speculative import accept, speculative_generate
+from tr_engine.tree import build_tree, chain_tree, load_tree
+from tr_engine.weights import load_model
+
+TREES = {
+    "2.2.2": lambda: load_tree("2.2.2"),
+    "chain": lambda: chain_tree(6),
+    "single": lambda: build_tree([[0]]),
+    "wide": lambda: build_tree([[i] for i in range(8)] + [[i, 0] for i in range(8)]),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    # A small vocabulary and a peaky model so that drafts are often right and long paths get accepted.
+    folder = tiny_factory("spec", dtype=torch.float64, vocab_size=300, std=0.5)
+    return load_model(folder, torch.float64)
+
+
+def run(model, method, prompt, n, eos=(), tree=None, seed=False, matrix=None):
+    cache = KVCache(model.config, 512, torch.float64, "cpu")
+    model.set_max_positions(512)
+    if method == "ar":
+        return greedy_generate(model, cache, prompt, n, eos)
+    if method == "pld":
+        drafter = PromptLookup("cpu", length=6)
+    else:
+        drafter = TokenRecycling(matrix, tree, reference.recycle_update_)
+    seed_fn = (lambda ids, logits: matrix.seed_(ids, logits, reference.recycle_update_)) if seed else None
+    return speculative_generate(model, cache, prompt, drafter, n, eos, reference.compact_kv_, seed_fn)
+
+
+@pytest.mark.parametrize("tree_name", TREES)
+@pytest.mark.parametrize("seed", [False, True])
+def test_tr_is_lossless_on_50_prompts(tiny, tree_name, seed):
+    g = torch.Generator().manual_seed(3)
+    matrix = RecyclingMatrix(tiny.config.vocab_size, 8)  # kept across prompts: hot start
+    accepted_more_than_one = 0
+    for i in range(50):
+        # Repetitive prompts make drafts come true, so accepted paths (and stops inside them) are exercised.
+        prompt = torch.randint(0, 300, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist() * 2
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        ar = run(tiny, "ar", prompt, n)
+        eos = (ar.token_ids[len(ar.token_ids) // 2],) if i % 3 == 0 else ()  # EOS in mid-answer, every third prompt
+        ar = run(tiny, "ar", prompt, n, eos)
+        tr = run(tiny, "tr", prompt, n, eos, TREES[tree_name](), seed, matrix)
+        assert tr.token_ids == ar.token_ids, (i, tree_name)
+        assert tr.finish_reason == ar.finish_reason
+        assert sum(tr.accept_lengths) + 1 == len(tr.token_ids)
+        accepted_more_than_one += any(a > 1 for a in tr.accept_lengths)
+    assert accepted_more_than_one >= 10  # otherwise the test would not exercise acceptance
+
+
+def test_pld_is_lossless_on_50_prompts(tiny):
+    g = torch.Generator().manual_seed(4)
+    for i in range(50):
+        prompt = torch.randint(0, 300, (8,), generator=g).tolist() * 3
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        ar = run(tiny, "ar", prompt, n)
+        eos = (ar.token_ids[-1],) if i % 4 == 0 else ()
+        ar = run(tiny, "ar", prompt, n, eos)
+        assert run(tiny, "pld", prompt, n, eos).token_ids == ar.token_ids, i
+
+
+def test_max_new_tokens_inside_an_accepted_path_is_never_exceeded(tiny):
+    prompt = [5, 6, 7, 8] * 5
+    matrix = RecyclingMatrix(tiny.config.vocab_size, 8)
+    for n in range(1, 30):
+        ar = run(tiny, "ar", prompt, n)
+        tr = run(tiny, "tr", prompt, n, tree=load_tree("2.2.2"), matrix=matrix)
+        assert tr.token_ids == ar.token_ids and len(tr.token_ids) == n
+
+
+def test_2_2_2_tree_buffers():
+    tree = load_tree("2.2.2")
+    assert tree.size == 81
+    assert [e - s for s, e in tree.levels] == [8, 21, 25, 15, 8, 3]
+    assert sum(1 for c in tree.children[1:] if not c) == 40  # leaves
+    assert tree.max_rank == 7
+    i = tree.paths.index((0, 0, 1)) + 1
+    ancestors = tree.mask[i].nonzero().flatten().tolist()
+    assert [tree.paths[j - 1] if j else () for j in ancestors] == [(), (0,), (0, 0), (0, 0, 1)]
+    assert tree.depth[i] == 3 and tree.rank[i] == 1
+
+
+def test_tree_validation_errors():
+    from tr_engine.errors import UserError
+
+    with pytest.raises(UserError, match="no parent"):
+        build_tree([[0], [1, 0]])
+    with pytest.raises(UserError, match="appears twice"):
+        build_tree([[0], [0]])
+    with pytest.raises(UserError, match="k = 4"):
+        build_tree([[5]], k=4)
+
+
+def test_retrieve_from_a_hand_filled_matrix():
+    m = RecyclingMatrix(10, 2)
+    m.table[3] = torch.tensor([4, 5])
+    m.table[4] = torch.tensor([6, 7])
+    m.table[5] = torch.tensor([8, 9])
+    tree = build_tree([[0], [1], [0, 0], [0, 1], [1, 0]])
+    assert m.retrieve(torch.tensor(3), tree).tolist() == [3, 4, 5, 6, 7, 8]
+
+
+def onehot_logits(preds, vocab=10):
+    logits = torch.zeros(len(preds), vocab)
+    logits[torch.arange(len(preds)), torch.tensor(preds)] = 1.0
+    return logits
+
+
+def test_accept_full_reject_full_accept_and_identical_siblings():
+    tree = build_tree([[0], [1], [0, 0]])  # tokens: root, a=[0], b=[1], c=[0,0]
+    draft = Draft(tree, torch.tensor([3, 4, 4, 6]))  # both depth-1 siblings drafted token 4
+    # The model predicts 4 after the root: the lower-rank sibling (index 1) is taken, then 6 after it, then 9.
+    path, committed = accept(draft, onehot_logits([4, 6, 0, 9]))
+    assert path == [1, 3] and committed == [4, 6, 9]
+    path, committed = accept(draft, onehot_logits([7, 0, 0, 0]))  # full reject: only the bonus token
+    assert path == [] and committed == [7]
+
+
+def test_recycle_duplicate_rule_last_node_wins():
+    table = torch.zeros(10, 2, dtype=torch.long)
+    tokens = torch.tensor([3, 5, 3])  # token 3 at node 0 and node 2
+    logits = torch.tensor([[0, 9, 8, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 9, 8, 0],
+                           [0, 0, 0, 0, 9, 8, 0, 0, 0, 0]], dtype=torch.float)
+    reference.recycle_update_(table, tokens, logits)
+    assert table[3].tolist() == [4, 5] and table[5].tolist() == [7, 8]
+
+
+def test_matrix_save_load_and_wrong_vocabulary(tmp_path):
+    from tr_engine.errors import UserError
+
+    m = RecyclingMatrix(50, 4)
+    m.table[7] = torch.tensor([1, 2, 3, 4])
+    m.save(tmp_path / "m.pt", "abc")
+    assert torch.equal(RecyclingMatrix.load(tmp_path / "m.pt", 50, "abc").table, m.table)
+    with pytest.raises(UserError, match="another vocabulary"):
+        RecyclingMatrix.load(tmp_path / "m.pt", 51, "abc")
+    with pytest.raises(UserError, match="another vocabulary"):
+        RecyclingMatrix.load(tmp_path / "m.pt", 50, "xyz")

@@ -1,0 +1,61 @@
+"""The recycling matrix M [V, k]: row t holds the top-k tokens the model most recently predicted after token t.
+
+It starts as all zeros (the paper's choice), lives across turns and requests ("hot start"), and can be saved to a
+file that records the vocabulary size and a fingerprint of the tokenizer, so it is never loaded for another
+vocabulary.
+"""
+
+from pathlib import Path
+
+import torch
+
+from tr_engine.errors import UserError
+from tr_engine.tree import DraftTree
+
+
+class RecyclingMatrix:
+    def __init__(self, vocab_size: int, k: int = 8, device="cpu"):
+        if k < 1:
+            raise UserError(f"--topk must be at least 1, got {k}")
+        self.table = torch.zeros(vocab_size, k, dtype=torch.long, device=device)  # [V, k] token ids
+
+    @property
+    def k(self) -> int:
+        return self.table.shape[1]
+
+    def retrieve(self, root: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+        """Expand the tree breadth-first from `root` ([] int64): node [.., i] is rank i of its parent's row.
+        Returns the verify step's tokens [n+1], the root first."""
+        tokens = torch.empty(tree.size, dtype=torch.long, device=self.table.device)
+        tokens[0] = root
+        for start, end in tree.levels:  # one gather per depth: parents are all in earlier levels
+            tokens[start:end] = self.table[tokens[tree.parent[start:end]], tree.rank[start:end]]
+        return tokens
+
+    def recycle_(self, tokens: torch.Tensor, logits: torch.Tensor, update) -> None:
+        """Every verify token's row <- the top-k of the logits at its node ([T] ids, [T, V] logits), through the
+        ops' recycle update (duplicates: the last node in breadth-first order wins)."""
+        update(self.table, tokens, logits)
+
+    def seed_(self, prompt_ids: list[int], logits: torch.Tensor, update) -> None:
+        """Seed from a prefill: each prompt token's row <- the top-k of the logits at its position."""
+        update(self.table, torch.tensor(prompt_ids, device=self.table.device), logits)
+
+    def save(self, path: str | Path, fingerprint: str) -> None:
+        torch.save({"table": self.table.cpu(), "vocab_size": self.table.shape[0], "fingerprint": fingerprint}, path)
+
+    @classmethod
+    def load(cls, path: str | Path, vocab_size: int, fingerprint: str, device="cpu") -> "RecyclingMatrix":
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+            table, saved_vocab, saved_fp = data["table"], data["vocab_size"], data["fingerprint"]
+        except FileNotFoundError:
+            raise UserError(f"no recycling matrix at {path}; drop --matrix to start from an empty one")
+        except Exception as e:  # corrupt or foreign file: torch raises several types
+            raise UserError(f"{path} is not a recycling matrix file ({type(e).__name__}); delete it to start fresh")
+        if saved_vocab != vocab_size or saved_fp != fingerprint:
+            raise UserError(f"{path} was made for another vocabulary ({saved_vocab} tokens, tokenizer {saved_fp}; "
+                            f"this model: {vocab_size}, {fingerprint}); delete it or use another --matrix file")
+        m = cls(vocab_size, table.shape[1], device)
+        m.table.copy_(table)
+        return m

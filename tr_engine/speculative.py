@@ -1,0 +1,99 @@
+"""Speculative decoding, the paper's algorithm box: retrieve -> verify -> accept -> (compact) -> recycle.
+
+Lossless by construction: a drafted token is kept only if it equals the model's own greedy choice at its parent, and
+every step also commits the model's next token after the last kept one, so the output is exactly plain greedy
+decoding's (tests/test_speculative.py holds it to that).
+
+Cache invariant: slots 0..L-1 hold every committed token but the last one (the root of the next step).
+"""
+
+import time
+
+import torch
+
+from tr_engine.decode import Generation, prefill
+from tr_engine.drafters import Draft
+from tr_engine.kv_cache import KVCache
+from tr_engine.model import Llama
+
+
+def verify(model: Llama, cache: KVCache, draft: Draft) -> torch.Tensor:
+    """One forward over the root and all draft nodes with tree attention; positions = L + depth.
+    Their K/V land in slots L..L+n. Returns logits [n+1, V]."""
+    L = cache.length
+    positions = L + draft.tree.depth  # [n+1]
+    return model(draft.tokens, positions, cache.data, L, tree_mask=draft.tree.mask if draft.tree.size > 1 else None)
+
+
+def accept(draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Greedy acceptance: from the root, descend to the child whose token equals the model's argmax at the current
+    node, while one exists (ties between identical siblings go to the lower rank). Returns the accepted node indices
+    and the committed tokens: the accepted drafts plus the bonus token (the argmax at the last accepted node)."""
+    predicted, tokens = torch.stack([logits.argmax(dim=-1), draft.tokens]).tolist()  # the step's one host sync
+    path, node = [], 0
+    while True:
+        child = next((c for c in draft.tree.children[node] if tokens[c] == predicted[node]), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path, [tokens[i] for i in path] + [predicted[node]]
+
+
+def compact(cache: KVCache, path: list[int], compact_kv_) -> None:
+    """Keep the root's and the accepted nodes' K/V, contiguous after the prefix; the rest of the tree is dropped."""
+    L = cache.length
+    if path:  # the root stays at slot L; accepted node i moves from slot L+i (the kernel skips slots already in place)
+        src = torch.tensor([L + i for i in path], device=cache.data.device)
+        compact_kv_(cache.data, src, L + 1)
+    cache.length = L + 1 + len(path)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    model: Llama,
+    cache: KVCache,
+    prompt_ids: list[int],
+    drafter,
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...],
+    compact_kv_,
+    seed_matrix=None,
+) -> Generation:
+    """Like greedy_generate, committing 1..depth+1 tokens per forward. `seed_matrix(prompt_ids, logits)`, if given,
+    receives the prefill's logits at every prompt position (Token Recycling's optional prompt seeding)."""
+    # A verify step writes up to max_step_tokens slots past the committed ones before compaction.
+    cache.check_room(len(prompt_ids) + max_new_tokens + drafter.max_step_tokens, "the prompt plus --max-new-tokens")
+    t0 = time.perf_counter()
+    if seed_matrix is not None:
+        L = cache.length
+        ids = torch.tensor(prompt_ids, device=cache.data.device)
+        logits_all = model(ids, torch.arange(L, L + len(prompt_ids), device=ids.device), cache.data, L)
+        cache.length += len(prompt_ids)
+        seed_matrix(prompt_ids, logits_all)
+        first = logits_all[-1]
+    else:
+        first = prefill(model, cache, prompt_ids)
+    t1 = time.perf_counter()
+    out = [int(first.argmax())]
+    history = list(prompt_ids) + out
+    accept_lengths = []
+    finished = out[0] in eos_ids or max_new_tokens == 1
+    while not finished:
+        draft = drafter.propose(history)  # retrieve
+        logits = verify(model, cache, draft)  # verify
+        path, committed = accept(draft, logits)  # accept
+        compact(cache, path, compact_kv_)
+        drafter.observe(draft, logits)  # recycle
+        # Exact stopping: nothing after an EOS, never more than max_new_tokens.
+        committed = committed[: max_new_tokens - len(out)]
+        eos_at = next((i for i, t in enumerate(committed) if t in eos_ids), None)
+        if eos_at is not None:
+            committed = committed[: eos_at + 1]
+        out += committed
+        history += committed
+        accept_lengths.append(len(committed))
+        finished = eos_at is not None or len(out) >= max_new_tokens
+    t2 = time.perf_counter()
+    finish = "eos" if out[-1] in eos_ids else "length"
+    return Generation(out, finish, len(prompt_ids), t1 - t0, t2 - t1, len(accept_lengths), accept_lengths)

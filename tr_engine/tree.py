@@ -1,0 +1,103 @@
+"""Static draft trees: a tree is a list of rank paths from the root (the last committed token); [0, 1] is the
+rank-1 candidate of the rank-0 candidate. Everything a decode step needs is precomputed once per tree.
+
+Token index 0 of a verify step is the root; nodes follow in breadth-first order (index 1..n), so each depth is a
+contiguous range and a parent always comes before its children.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tr_engine.errors import UserError
+
+# The paper's default tree "2.2.2" (80 nodes, depth 6), shipped with the package (shared/data/tree_2.2.2.json).
+TREES = Path(__file__).parent / "trees"
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    paths: tuple[tuple[int, ...], ...]  # the n nodes' rank paths, breadth-first
+    parent: torch.Tensor  # [n+1] int64, index of each token's parent (root: 0)
+    rank: torch.Tensor  # [n+1] int64, candidate rank within the parent's matrix row (root: 0)
+    depth: torch.Tensor  # [n+1] int64, root 0
+    mask: torch.Tensor  # [n+1, n+1] bool, True where token i may attend to token j (its ancestors and itself)
+    levels: tuple[tuple[int, int], ...]  # [start, end) token indices of depth 1, 2, …
+    children: tuple[tuple[int, ...], ...]  # per token index, its children's indices in rank order
+
+    @property
+    def size(self) -> int:
+        """Tokens in a verify step: the root plus the n nodes."""
+        return len(self.paths) + 1
+
+    @property
+    def max_rank(self) -> int:
+        return max((p[-1] for p in self.paths), default=-1)
+
+    def to(self, device) -> "DraftTree":
+        move = {f: getattr(self, f).to(device) for f in ("parent", "rank", "depth", "mask")}
+        return DraftTree(self.paths, levels=self.levels, children=self.children, **move)
+
+
+def build_tree(paths, k: int | None = None) -> DraftTree:
+    """Validate rank paths (prefix-closed, no duplicates, ranks < k) and precompute the buffers."""
+    paths = [tuple(int(r) for r in p) for p in paths]
+    seen = set()
+    for p in paths:
+        if not p:
+            raise UserError("a draft tree node has an empty path; the root is implicit, list only its descendants")
+        if p in seen:
+            raise UserError(f"draft tree node {list(p)} appears twice; remove the duplicate")
+        if min(p) < 0 or (k is not None and max(p) >= k):
+            raise UserError(f"draft tree node {list(p)} uses rank {max(p)}, but the matrix keeps only k = {k} "
+                            f"candidates per token; raise --topk or change the tree")
+        seen.add(p)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise UserError(f"draft tree node {list(p)} has no parent {list(p[:-1])}; a tree must be prefix-closed")
+    paths = sorted(paths, key=lambda p: (len(p), p))  # breadth-first, then by ranks
+    index = {p: i + 1 for i, p in enumerate(paths)}  # token index; root is 0
+    n = len(paths)
+    parent = [0] + [index.get(p[:-1], 0) for p in paths]
+    rank = [0] + [p[-1] for p in paths]
+    depth = [0] + [len(p) for p in paths]
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    for i in range(n + 1):
+        j = i
+        while True:  # walk up to the root, marking every ancestor
+            mask[i, j] = True
+            if j == 0:
+                break
+            j = parent[j]
+    levels, children = [], [[] for _ in range(n + 1)]
+    for i in range(1, n + 1):
+        children[parent[i]].append(i)
+        if not levels or depth[i] != depth[levels[-1][0]]:
+            levels.append([i, i + 1])
+        else:
+            levels[-1][1] = i + 1
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    return DraftTree(tuple(paths), as_long(parent), as_long(rank), as_long(depth), mask,
+                     tuple(map(tuple, levels)), tuple(map(tuple, children)))
+
+
+def chain_tree(length: int) -> DraftTree:
+    """A single path of `length` rank-0 nodes (prompt lookup's drafts; length 0 is a plain decode step)."""
+    return build_tree([(0,) * d for d in range(1, length + 1)])
+
+
+def load_tree(spec: str | Path = "2.2.2", k: int | None = None) -> DraftTree:
+    """A shipped tree by name ("2.2.2") or a JSON file ({"nodes": [[0], [1], [0, 0], …]} or a bare list)."""
+    path = TREES / f"{spec}.json" if (TREES / f"{spec}.json").is_file() else Path(spec)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"no draft tree file at {path}; pass --tree with a JSON file of rank paths")
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); a tree file is {{\"nodes\": [[0], [1], [0, 0], …]}}")
+    nodes = data["nodes"] if isinstance(data, dict) and "nodes" in data else data
+    if not isinstance(nodes, list) or not all(isinstance(p, list) for p in nodes):
+        raise UserError(f"{path}: expected a list of rank paths like [[0], [1], [0, 0]]")
+    return build_tree(nodes, k)
