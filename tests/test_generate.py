@@ -53,9 +53,11 @@ def test_empty_prompt(tiny_factory):
 
 def test_context_overflow_counts_new_tokens(tiny_factory):
     engine = Engine.from_pretrained(str(tiny_factory("float32", dtype=torch.float64)), max_context=64)
-    engine.generate("hi", max_new_tokens=10)
+    engine.generate("hi", max_new_tokens=10, method="ar")
     with pytest.raises(ContextOverflow):
-        engine.generate("hi", max_new_tokens=100)
+        engine.generate("hi", max_new_tokens=100, method="ar")
+    with pytest.raises(ContextOverflow, match="81-token draft"):  # a verify step needs room for the whole tree
+        engine.generate("hi", max_new_tokens=10, method="tr")
     with pytest.raises(UserError, match="outside 1..512"):
         Engine.from_pretrained(str(tiny_factory("float32", dtype=torch.float64)), max_context=100000)
 
@@ -63,21 +65,22 @@ def test_context_overflow_counts_new_tokens(tiny_factory):
 def test_greedy_stops_exactly_at_eos(tiny_factory):
     """With the EOS id set to the token greedy emits at step k, generation ends there, EOS included."""
     engine = Engine.from_pretrained(str(tiny_factory("float32", dtype=torch.float64)), dtype="float64")
-    free = engine.generate("hello", max_new_tokens=20)
+    free = engine.generate("hello", max_new_tokens=20, method="ar")
     assert len(free.token_ids) == 20 and free.generation.finish_reason == "length"
     k = 7
     engine.tokenizer.eos_ids = (free.token_ids[k],)
     first = free.token_ids.index(free.token_ids[k])
-    stopped = engine.generate("hello", max_new_tokens=20)
+    stopped = engine.generate("hello", max_new_tokens=20, method="ar")
     assert stopped.token_ids == free.token_ids[: first + 1]
     assert stopped.generation.finish_reason == "eos"
 
 
 def test_ops_reference_and_kernels_give_the_same_tokens(tiny_factory):
     folder = str(tiny_factory("float32", dtype=torch.float64))
-    a = Engine.from_pretrained(folder, ops="reference").generate("hello", max_new_tokens=16)
-    b = Engine.from_pretrained(folder, ops="kernels").generate("hello", max_new_tokens=16)
-    assert a.token_ids == b.token_ids
+    for method in ["ar", "tr"]:
+        a = Engine.from_pretrained(folder, ops="reference").generate("hello", max_new_tokens=16, method=method)
+        b = Engine.from_pretrained(folder, ops="kernels").generate("hello", max_new_tokens=16, method=method)
+        assert a.token_ids == b.token_ids
 
 
 @pytest.mark.slow

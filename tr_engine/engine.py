@@ -11,13 +11,19 @@ from pathlib import Path
 import torch
 
 from tr_engine.decode import Generation, greedy_generate
+from tr_engine.drafters import PromptLookup, TokenRecycling
 from tr_engine.errors import UserError
 from tr_engine.kv_cache import KVCache
+from tr_engine.matrix import RecyclingMatrix
 from tr_engine.model import Llama
 from tr_engine.models import resolve_model
 from tr_engine.ops import load_ops
+from tr_engine.speculative import speculative_generate
 from tr_engine.tokenizer import Tokenizer, load_tokenizer
+from tr_engine.tree import load_tree
 from tr_engine.weights import load_model, parse_dtype
+
+METHODS = ("ar", "tr", "pld")
 
 DEFAULT_MAX_CONTEXT = 8192  # cache capacity when the model allows more; --max-context raises it
 
@@ -34,8 +40,17 @@ class GenerateResult:
         g = self.generation
         return len(g.token_ids) / (g.prefill_s + g.decode_s) if g.token_ids else 0.0
 
+    @property
+    def mean_accepted(self) -> float:
+        """MAT: tokens committed per decode step, the bonus token included (the paper's measure)."""
+        lengths = self.generation.accept_lengths
+        return sum(lengths) / len(lengths) if lengths else 0.0
+
     def as_dict(self) -> dict:
         g = self.generation
+        histogram = {}
+        for a in g.accept_lengths:
+            histogram[a] = histogram.get(a, 0) + 1
         return {
             "text": self.text,
             "token_ids": self.token_ids,
@@ -46,16 +61,26 @@ class GenerateResult:
             "prefill_s": round(g.prefill_s, 6),
             "decode_s": round(g.decode_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 3),
+            "mean_accepted_tokens": round(self.mean_accepted, 4),
+            "accept_length_histogram": dict(sorted(histogram.items())),
         }
 
 
 class Engine:
-    def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, ops: str = "kernels"):
+    def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, ops: str = "kernels",
+                 tree: str = "2.2.2", topk: int = 8):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
         self.ops = load_ops(ops)
         w = model.lm_head.weight
         self.cache = KVCache(model.config, max_context, w.dtype, w.device)
         model.set_max_positions(max_context)
+        # Token Recycling's state: one matrix for the engine's lifetime (hot start across calls).
+        self.matrix = RecyclingMatrix(model.config.vocab_size, topk, w.device)
+        self.tree = load_tree(tree, topk)
+        self.drafters = {
+            "tr": TokenRecycling(self.matrix, self.tree, self.ops.recycle_update_),
+            "pld": PromptLookup(w.device),
+        }
 
     @classmethod
     def from_pretrained(
@@ -67,6 +92,8 @@ class Engine:
         model_dir: str | None = None,
         ops: str = "kernels",
         threads: int | None = None,
+        tree: str = "2.2.2",
+        topk: int = 8,
     ) -> "Engine":
         if threads:
             torch.set_num_threads(threads)
@@ -78,7 +105,7 @@ class Engine:
         if max_context is not None and not 1 <= max_context <= limit:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
-        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops)
+        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops, tree, topk)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages."""
@@ -92,14 +119,37 @@ class Engine:
             raise UserError("messages must be a non-empty list of {'role': …, 'content': …} dicts")
         return self.tokenizer.encode_chat(prompt)
 
+    def save_matrix(self, path) -> None:
+        self.matrix.save(path, self.tokenizer.fingerprint())
+
+    def load_matrix(self, path) -> None:
+        loaded = RecyclingMatrix.load(path, self.model.config.vocab_size, self.tokenizer.fingerprint(),
+                                      self.matrix.table.device)
+        if loaded.k != self.matrix.k:
+            raise UserError(f"{path} keeps {loaded.k} candidates per token but --topk is {self.matrix.k}; "
+                            "pass the matching --topk or use another --matrix file")
+        self.matrix.table.copy_(loaded.table)
+
     @torch.inference_mode()
-    def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True) -> GenerateResult:
-        """Answer one prompt from an empty cache with plain greedy decoding."""
+    def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
+                 method: str = "tr", seed_from_prompt: bool = False) -> GenerateResult:
+        """Answer one prompt from an empty cache: `method` "ar" (plain greedy), "tr" (Token Recycling) or "pld"
+        (prompt lookup); all three emit the same tokens. The recycling matrix persists across calls."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if method not in METHODS:
+            raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         ids = self.prompt_ids(prompt, chat_template)
         self.cache.reset()
-        gen = greedy_generate(self.model, self.cache, ids, max_new_tokens, self.tokenizer.eos_ids)
+        eos = self.tokenizer.eos_ids
+        if method == "ar":
+            gen = greedy_generate(self.model, self.cache, ids, max_new_tokens, eos)
+        else:
+            seed = None
+            if seed_from_prompt and method == "tr":
+                seed = lambda prompt_ids, logits: self.matrix.seed_(prompt_ids, logits, self.ops.recycle_update_)  # noqa: E731
+            gen = speculative_generate(self.model, self.cache, ids, self.drafters[method], max_new_tokens, eos,
+                                       self.ops.compact_kv_, seed)
         text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
         return GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, ids, gen)
 

@@ -1,6 +1,7 @@
 """One-shot generation from the command line:
 
     python -m tr_engine.generate --model NAME_OR_PATH --prompt TEXT [--max-new-tokens N] [--dtype D] [--json]
+        [--method tr|pld|ar] [--tree 2.2.2|FILE] [--topk K] [--seed-from-prompt] [--matrix FILE]
 
 The model's chat template is applied unless --no-template. User errors print one line and exit with status 2.
 """
@@ -8,6 +9,7 @@ The model's chat template is applied unless --no-template. User errors print one
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from tr_engine.errors import UserError
 from tr_engine.models import DEFAULT_MODEL
@@ -25,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
     ap.add_argument("--ops", default="kernels", choices=["kernels", "reference"], help="compiled ops or their references")
     ap.add_argument("--no-template", action="store_true", help="feed the prompt as raw text, no chat template")
+    ap.add_argument("--method", default="tr", choices=["tr", "pld", "ar"],
+                    help="tr: Token Recycling (default); pld: prompt lookup; ar: plain greedy. Same output tokens")
+    ap.add_argument("--tree", default="2.2.2", help="draft tree: 2.2.2 (the paper's) or a JSON file of rank paths")
+    ap.add_argument("--topk", type=int, default=8, help="candidates kept per token in the recycling matrix")
+    ap.add_argument("--seed-from-prompt", action="store_true", help="seed the matrix from the prompt's prefill")
+    ap.add_argument("--matrix", default=None, help="load the recycling matrix from FILE if it exists; save it back")
     ap.add_argument("--json", action="store_true", help="print ids, text and timings as one JSON object")
     return ap
 
@@ -35,8 +43,13 @@ def main(argv=None) -> int:
 
     try:
         engine = Engine.from_pretrained(args.model, args.device, args.dtype, args.max_context, args.model_dir,
-                                        args.ops, args.threads)
-        result = engine.generate(args.prompt, args.max_new_tokens, chat_template=not args.no_template)
+                                        args.ops, args.threads, args.tree, args.topk)
+        if args.matrix and Path(args.matrix).is_file():
+            engine.load_matrix(args.matrix)
+        result = engine.generate(args.prompt, args.max_new_tokens, chat_template=not args.no_template,
+                                 method=args.method, seed_from_prompt=args.seed_from_prompt)
+        if args.matrix:
+            engine.save_matrix(args.matrix)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -48,7 +61,9 @@ def main(argv=None) -> int:
     else:
         print(result.text)
         g = result.generation
-        print(f"[{len(g.token_ids)} tokens, {result.tokens_per_s:.1f} tok/s, prefill {g.prefill_s:.2f}s]", file=sys.stderr)
+        mat = f", {result.mean_accepted:.2f} tokens/step" if args.method != "ar" else ""
+        print(f"[{len(g.token_ids)} tokens, {result.tokens_per_s:.1f} tok/s{mat}, prefill {g.prefill_s:.2f}s]",
+              file=sys.stderr)
     return 0
 
 

@@ -12,7 +12,9 @@ from tr_engine.errors import UserError
 
 OP_NAMES = ("compact_kv_", "skinny_linear")
 KINDS = ("kernels", "reference")
-SKINNY_MAX_ROWS = 16  # skinny_linear's limit (csrc/registration.cpp)
+# skinny_linear accepts up to 16 rows (csrc/registration.cpp) but only wins for one: it redoes each dot product per
+# row, while MKL/oneDNN block over rows (bench/results/ar_decode.md; tr_engine measured 2.8x slower at 8 rows).
+SKINNY_ROWS = 1
 
 
 def load_ops(kind: str = "kernels") -> SimpleNamespace:
@@ -32,8 +34,8 @@ def load_ops(kind: str = "kernels") -> SimpleNamespace:
     skinny = ops["skinny_linear"]
 
     def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """F.linear, through skinny_linear for the few rows of a CPU decode step (it streams w ~1.4x faster)."""
-        if x.shape[0] <= SKINNY_MAX_ROWS and x.device.type == "cpu" and x.dtype != torch.float64:
+        """F.linear, through skinny_linear for the one row of a CPU decode step (it streams w ~1.4x faster)."""
+        if x.shape[0] <= SKINNY_ROWS and x.device.type == "cpu" and x.dtype != torch.float64:
             return skinny(x, w)
         return F.linear(x, w)
 

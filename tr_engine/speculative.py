@@ -63,7 +63,8 @@ def speculative_generate(
     """Like greedy_generate, committing 1..depth+1 tokens per forward. `seed_matrix(prompt_ids, logits)`, if given,
     receives the prefill's logits at every prompt position (Token Recycling's optional prompt seeding)."""
     # A verify step writes up to max_step_tokens slots past the committed ones before compaction.
-    cache.check_room(len(prompt_ids) + max_new_tokens + drafter.max_step_tokens, "the prompt plus --max-new-tokens")
+    cache.check_room(len(prompt_ids) + max_new_tokens + drafter.max_step_tokens,
+                     f"the prompt plus --max-new-tokens plus a {drafter.max_step_tokens}-token draft")
     t0 = time.perf_counter()
     if seed_matrix is not None:
         L = cache.length

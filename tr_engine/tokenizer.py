@@ -33,6 +33,12 @@ class Tokenizer:
         # Templates that start with the BOS text already carry it; otherwise follow the tokenizer's own rule.
         return self.encode(text, add_bos=self.add_bos and not text.startswith(self.chat_template.bos_token or "\0"))
 
+    def fingerprint(self) -> str:
+        """A short hash of the tokenizer file: what a saved recycling matrix is checked against."""
+        import hashlib
+
+        return hashlib.sha256(self.source.read_bytes()).hexdigest()[:16]
+
 
 def _read_tokenizer_config(folder: Path) -> dict:
     path = folder / "tokenizer_config.json"
@@ -56,7 +62,8 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as RustTokenizer
 
         try:
-            self.tok = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+            self.source = folder / "tokenizer.json"
+            self.tok = RustTokenizer.from_file(str(self.source))
         except Exception as e:  # the library raises a bare Exception for corrupt files
             raise UserError(f"{folder / 'tokenizer.json'} cannot be read ({e}); re-download or regenerate it")
         bos = _token_text(config.get("bos_token"))
@@ -90,6 +97,7 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece as spm
 
         self.sp = spm.SentencePieceProcessor()
+        self.source = folder / "tokenizer.model"
         try:
             self.sp.Load(str(folder / "tokenizer.model"))
         except (OSError, RuntimeError) as e:
