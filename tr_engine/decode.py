@@ -26,14 +26,15 @@ class Generation:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each step
 
 
-def prefill(model: Llama, cache: KVCache, prompt_ids: list[int]) -> torch.Tensor:
-    """Run the prompt after what is already cached and commit it; return the last position's logits [V]."""
+def prefill(model: Llama, cache: KVCache, prompt_ids: list[int], all_logits: bool = False) -> torch.Tensor:
+    """Run the prompt after what is already cached and commit it; return the last position's logits [V], or every
+    position's [T, V] when `all_logits`."""
     device = cache.data.device
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)  # [T]
     positions = torch.arange(cache.length, cache.length + len(prompt_ids), device=device)  # [T]
-    logits = model(ids, positions, cache.data, cache.length, last_logits_only=True)  # [1, V]
+    logits = model(ids, positions, cache.data, cache.length, last_logits_only=not all_logits)  # [T or 1, V]
     cache.length += len(prompt_ids)
-    return logits[0]
+    return logits if all_logits else logits[0]
 
 
 @torch.inference_mode()

@@ -67,10 +67,7 @@ def speculative_generate(
                      f"the prompt plus --max-new-tokens plus a {drafter.max_step_tokens}-token draft")
     t0 = time.perf_counter()
     if seed_matrix is not None:
-        L = cache.length
-        ids = torch.tensor(prompt_ids, device=cache.data.device)
-        logits_all = model(ids, torch.arange(L, L + len(prompt_ids), device=ids.device), cache.data, L)
-        cache.length += len(prompt_ids)
+        logits_all = prefill(model, cache, prompt_ids, all_logits=True)  # [T, V]
         seed_matrix(prompt_ids, logits_all)
         first = logits_all[-1]
     else:
