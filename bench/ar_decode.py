@@ -86,10 +86,10 @@ def main(argv=None) -> int:
     from tr_engine.models import resolve_model
 
     torch.set_num_threads(args.threads)
+    info = machine_info()  # before the run: the commit that produced the numbers
     folder = resolve_model(args.model)
     prompts = load_prompts(args.questions, args.prompts)
     results = [bench_dtype(folder, d, prompts, args.max_new_tokens) for d in args.dtypes]
-    info = machine_info()
     lines = [
         "# Plain greedy decoding: tr_engine vs transformers `generate`",
         "",

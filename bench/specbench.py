@@ -56,7 +56,7 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
     return table
 
 
-def write_summary(out: Path, table: dict, methods: list[str], args, info: dict) -> str:
+def write_summary(out: Path, table: dict, records: list[dict], methods: list[str], args, info: dict) -> str:
     groups = [g for g in GROUP_ORDER + ["all"] if any((m, g) in table for m in methods)]
     lines = [
         f"# Spec-Bench dev split: {', '.join(methods)} on {args.model} ({args.dtype})",
@@ -84,6 +84,15 @@ def write_summary(out: Path, table: dict, methods: list[str], args, info: dict) 
         flag = "" if v["identical"] == v["n"] else " **DIFFERS**"
         lines.append(f"| {m} | {v['tok_s']:.1f} | {v['speedup']:.2f}x | {v['mat']:.2f} | "
                      f"{v['identical']}/{v['n']}{flag} |")
+    phases = ("retrieve", "verify", "accept", "compact", "recycle")
+    lines += ["", "Where decode time goes (share of decode seconds, all questions):", "",
+              "| method | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+    for m in methods:
+        if m == "ar":
+            continue
+        totals = [sum(r["phase_s"].get(p, 0.0) for r in records if r["method"] == m) for p in phases]
+        decode = sum(r["decode_s"] for r in records if r["method"] == m) or 1.0
+        lines.append(f"| {m} | " + " | ".join(f"{100 * t / decode:.0f}%" for t in totals) + " |")
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
@@ -107,6 +116,7 @@ def main(argv=None) -> int:
     if "ar" not in args.methods:
         args.methods = ["ar"] + args.methods  # the baseline and the losslessness reference
     torch.set_num_threads(args.threads)
+    info = machine_info()  # before the run: the commit that produced the numbers
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_context=4096, tree=args.tree, topk=args.topk)
     questions = load_questions(args.questions, args.limit, args.categories)
     warm = load_questions(args.questions, None, None)[-args.warmup:] if args.warmup else []
@@ -124,7 +134,7 @@ def main(argv=None) -> int:
                 rec = {"question_id": q["question_id"], "category": q["category"], "group": group_of(q["category"]),
                        "method": m, "new_tokens": len(g.token_ids), "steps": g.steps,
                        "accept_lengths": g.accept_lengths, "mat": r.mean_accepted, "prefill_s": g.prefill_s,
-                       "decode_s": g.decode_s, "identical": r.token_ids == reference}
+                       "decode_s": g.decode_s, "phase_s": g.phase_s, "identical": r.token_ids == reference}
                 records.append(rec)
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
@@ -132,8 +142,7 @@ def main(argv=None) -> int:
             print(f"[{i}/{len(questions)}] {q['category']:>14} " + "  ".join(
                 f"{r['method']} {r['new_tokens'] / (r['prefill_s'] + r['decode_s']):5.1f} tok/s MAT {r['mat']:.2f}"
                 f"{'' if r['identical'] else ' DIFF'}" for r in done), flush=True)
-    info = machine_info()
-    text = write_summary(args.out, summarize(records, args.methods), args.methods, args, info)
+    text = write_summary(args.out, summarize(records, args.methods), records, args.methods, args, info)
     (args.out / "machine.json").write_text(json.dumps(info, indent=2) + "\n")
     print(text)
     return 0

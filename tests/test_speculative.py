@@ -58,6 +58,8 @@ def test_tr_is_lossless_on_50_prompts(tiny, tree_name, seed):
         assert tr.token_ids == ar.token_ids, (i, tree_name)
         assert tr.finish_reason == ar.finish_reason
         assert sum(tr.accept_lengths) + 1 == len(tr.token_ids)
+        assert set(tr.phase_s) == {"retrieve", "verify", "accept", "compact", "recycle"}
+        assert sum(tr.phase_s.values()) <= tr.decode_s
         accepted_more_than_one += any(a > 1 for a in tr.accept_lengths)
     assert accepted_more_than_one >= 10  # otherwise the test would not exercise acceptance
 
@@ -128,6 +130,12 @@ def test_accept_full_reject_full_accept_and_identical_siblings():
     assert path == [1, 3] and committed == [4, 6, 9]
     path, committed = accept(draft, onehot_logits([7, 0, 0, 0]))  # full reject: only the bonus token
     assert path == [] and committed == [7]
+
+
+def test_accept_full_chain_takes_every_draft_plus_the_bonus():
+    draft = Draft(chain_tree(3), torch.tensor([1, 2, 3, 4]))
+    path, committed = accept(draft, onehot_logits([2, 3, 4, 5]))
+    assert path == [1, 2, 3] and committed == [2, 3, 4, 5]
 
 
 def test_recycle_duplicate_rule_last_node_wins():

@@ -24,6 +24,7 @@ class Generation:
     decode_s: float
     steps: int  # forwards after the prefill
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each step
+    phase_s: dict[str, float] = field(default_factory=dict)  # decode seconds by phase (speculative methods)
 
 
 def prefill(model: Llama, cache: KVCache, prompt_ids: list[int], all_logits: bool = False) -> torch.Tensor:

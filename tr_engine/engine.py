@@ -63,6 +63,7 @@ class GenerateResult:
             "tokens_per_s": round(self.tokens_per_s, 3),
             "mean_accepted_tokens": round(self.mean_accepted, 4),
             "accept_length_histogram": dict(sorted(histogram.items())),
+            "phase_s": {k: round(v, 6) for k, v in g.phase_s.items()},
         }
 
 

@@ -76,13 +76,24 @@ def speculative_generate(
     out = [int(first.argmax())]
     history = list(prompt_ids) + out
     accept_lengths = []
+    # Seconds per phase. On a GPU these host clocks only see launches, except accept's sync, which absorbs the wait.
+    phase_s = dict.fromkeys(("retrieve", "verify", "accept", "compact", "recycle"), 0.0)
+    clock = time.perf_counter
     finished = out[0] in eos_ids or max_new_tokens == 1
     while not finished:
+        ta = clock()
         draft = drafter.propose(history)  # retrieve
+        tb = clock()
         logits = verify(model, cache, draft)  # verify
+        tc = clock()
         path, committed = accept(draft, logits)  # accept
+        td = clock()
         compact(cache, path, compact_kv_)
+        te = clock()
         drafter.observe(draft, logits)  # recycle
+        tf = clock()
+        for name, dt in zip(phase_s, (tb - ta, tc - tb, td - tc, te - td, tf - te)):
+            phase_s[name] += dt
         # Exact stopping: nothing after an EOS, never more than max_new_tokens.
         committed = committed[: max_new_tokens - len(out)]
         eos_at = next((i for i, t in enumerate(committed) if t in eos_ids), None)
@@ -94,4 +105,4 @@ def speculative_generate(
         finished = eos_at is not None or len(out) >= max_new_tokens
     t2 = time.perf_counter()
     finish = "eos" if out[-1] in eos_ids else "length"
-    return Generation(out, finish, len(prompt_ids), t1 - t0, t2 - t1, len(accept_lengths), accept_lengths)
+    return Generation(out, finish, len(prompt_ids), t1 - t0, t2 - t1, len(accept_lengths), accept_lengths, phase_s)
