@@ -14,6 +14,11 @@ TORCH_LIBRARY(tr_engine, m) {
   // dtype; accumulates in float32 and rounds once to x's dtype. The matmul of a decode step, where streaming w from
   // memory is the whole cost.
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
+
+  // For each i: table[tokens[i]] <- the k = table.size(1) ids of the largest logits[i], best first, ties broken by
+  // the lower token id. A token at several i is written from its last i only (the decode loop's rule: the last node
+  // in breadth-first order wins). table int64 [V, k]; tokens int64 [T] in [0, V); logits [T, V] finite floats.
+  m.def("recycle_update_(Tensor(a!) table, Tensor tokens, Tensor logits) -> ()");
 }
 
 // `import tr_engine._C` loads this library, which runs the registrations above; the module itself is empty.

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tr_engine import reference
 from tr_engine.errors import UserError
 
-OP_NAMES = ("compact_kv_", "skinny_linear")
+OP_NAMES = ("compact_kv_", "skinny_linear", "recycle_update_")
 KINDS = ("kernels", "reference")
 # skinny_linear accepts up to 16 rows (csrc/registration.cpp) but only wins for one: it redoes each dot product per
 # row, while MKL/oneDNN block over rows (bench/results/ar_decode.md; tr_engine measured 2.8x slower at 8 rows).
@@ -21,8 +21,7 @@ def load_ops(kind: str = "kernels") -> SimpleNamespace:
     """A namespace with one callable per op in OP_NAMES."""
     if kind == "reference":
         # The model's projections stay plain F.linear here: the readable engine, end to end.
-        return SimpleNamespace(kind=kind, linear=F.linear, recycle_update_=reference.recycle_update_,
-                               **{name: getattr(reference, name) for name in OP_NAMES})
+        return SimpleNamespace(kind=kind, linear=F.linear, **{name: getattr(reference, name) for name in OP_NAMES})
     if kind != "kernels":
         raise UserError(f"unknown ops {kind!r}; choose one of {', '.join(KINDS)}")
     try:
@@ -39,8 +38,7 @@ def load_ops(kind: str = "kernels") -> SimpleNamespace:
             return skinny(x, w)
         return F.linear(x, w)
 
-    # The fused recycle-update kernel is issue 4's; until then both kinds share the reference.
-    return SimpleNamespace(kind=kind, linear=linear, recycle_update_=reference.recycle_update_, **ops)
+    return SimpleNamespace(kind=kind, linear=linear, **ops)
 
 
 _fakes_registered = False

@@ -23,10 +23,11 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def recycle_update_(table: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> None:
     """table [V, k] int64; tokens [T] int64; logits [T, V]. For each i: table[tokens[i]] <- the k largest logits'
-    ids at row i, best first. A token at several rows takes the last row's (breadth-first order: the deepest,
-    rightmost node wins); index_put_ with duplicate indices is undefined, so the earlier duplicates are dropped."""
+    ids at row i, best first, ties broken by the lower id (a stable sort; topk leaves tie order unspecified).
+    A token at several rows takes the last row's (breadth-first order: the deepest, rightmost node wins);
+    index_put_ with duplicate indices is undefined, so the earlier duplicates are dropped."""
     k = table.shape[1]
-    top = logits.topk(k, dim=-1).indices  # [T, k]
+    top = logits.sort(dim=-1, descending=True, stable=True).indices[:, :k]  # [T, k]
     later_same = (tokens[:, None] == tokens[None, :]).triu(1).any(dim=1)  # [T]: a later row has the same token
     keep = ~later_same
     table[tokens[keep]] = top[keep]
