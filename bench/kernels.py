@@ -90,7 +90,10 @@ def main(argv=None) -> int:
                      f"{r['reference_ms']:.3f} |")
     lines += ["", "stock: recycle = `topk` + indexed assignment (its duplicate winner is unspecified); compaction = "
               "`index_select` + copy; skinny_linear = `F.linear` (MKL/oneDNN). The recycle reference sorts stably "
-              "to specify ties exactly, so it is slow by design."]
+              "to specify ties exactly, so it is slow by design.",
+              "", "skinny_linear here re-reads one weight that stays in cache between calls, except the 49152-row LM "
+              "head; in a decode step every weight streams from memory, the case it is written for "
+              "(the whole model: bench/results/ar_decode.md)."]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernels_cpu.md").write_text("\n".join(lines) + "\n")
     (args.out / "kernels_cpu.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
