@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "convert.h"
+
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -13,15 +15,7 @@
 
 namespace {
 
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float to_float(c10::Half v) { return static_cast<float>(v); }
-inline double to_float(double v) { return v; }  // float64 models compare in float64
+using tr_engine_cpu::to_float;
 
 constexpr int64_t kChunk = 64;
 

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "convert.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,14 +19,7 @@ namespace {
 constexpr int64_t kMaxRows = 16;  // the schema's limit on T (rows of x)
 constexpr int64_t kLanes = 64;    // partial sums per dot product: four 16-float vectors
 
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float to_float(c10::Half v) { return static_cast<float>(v); }
+using tr_engine_cpu::to_float;
 
 // y[t, n] = sum_k x[t, k] * w[n, k]. Threads split the outputs n; each weight row is read from memory once, in order
 // (one sequential stream per thread, which the hardware prefetcher follows best), and stays in L1 while every row
