@@ -36,8 +36,8 @@ def run(model, method, prompt, n, eos=(), tree=None, seed=False, matrix=None):
     if method == "pld":
         drafter = PromptLookup("cpu", length=6)
     else:
-        drafter = TokenRecycling(matrix, tree, reference.recycle_update_)
-    seed_fn = (lambda ids, logits: matrix.seed_(ids, logits, reference.recycle_update_)) if seed else None
+        drafter = TokenRecycling(matrix, tree)
+    seed_fn = matrix.seed_ if seed else None
     return speculative_generate(model, cache, prompt, drafter, n, eos, reference.compact_kv_, seed_fn)
 
 
@@ -89,7 +89,7 @@ def test_2_2_2_tree_buffers():
     assert tree.size == 81
     assert [e - s for s, e in tree.levels] == [8, 21, 25, 15, 8, 3]
     assert sum(1 for c in tree.children[1:] if not c) == 40  # leaves
-    assert tree.max_rank == 7
+    assert max(p[-1] for p in tree.paths) == 7
     i = tree.paths.index((0, 0, 1)) + 1
     ancestors = tree.mask[i].nonzero().flatten().tolist()
     assert [tree.paths[j - 1] if j else () for j in ancestors] == [(), (0,), (0, 0), (0, 0, 1)]

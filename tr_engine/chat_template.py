@@ -2,6 +2,7 @@
 or a built-in Vicuna v1.1 template for Vicuna folders that ship none.
 """
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,16 +52,9 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message):
-            raise UserError(f"the chat template refused the conversation: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
         try:
-            template = env.from_string(self.source)
-            return template.render(
+            return _compile(self.source).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -69,6 +63,20 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise UserError(f"the model's chat template cannot be rendered ({e}); fix tokenizer_config.json "
                             "or pass --no-template")
+
+
+def _raise_exception(message):
+    raise UserError(f"the chat template refused the conversation: {message}")
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str):
+    """Compile a template once (every chat turn renders it), in Hugging Face's sandboxed environment."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
 
 
 def _model_identity(folder: Path) -> str:

@@ -24,8 +24,8 @@ class TokenRecycling:
 
     name = "tr"
 
-    def __init__(self, matrix: RecyclingMatrix, tree: DraftTree, recycle_update_):
-        self.matrix, self.tree, self.update = matrix, tree.to(matrix.table.device), recycle_update_
+    def __init__(self, matrix: RecyclingMatrix, tree: DraftTree):
+        self.matrix, self.tree = matrix, tree.to(matrix.table.device)
         self.max_step_tokens = tree.size
 
     def propose(self, history: list[int]) -> Draft:
@@ -33,7 +33,7 @@ class TokenRecycling:
         return Draft(self.tree, self.matrix.retrieve(root, self.tree))
 
     def observe(self, draft: Draft, logits: torch.Tensor) -> None:
-        self.matrix.recycle_(draft.tokens, logits, self.update)
+        self.matrix.recycle_(draft.tokens, logits)
 
 
 class PromptLookup:

@@ -76,10 +76,10 @@ class Engine:
         self.cache = KVCache(model.config, max_context, w.dtype, w.device)
         model.set_max_positions(max_context)
         # Token Recycling's state: one matrix for the engine's lifetime (hot start across calls).
-        self.matrix = RecyclingMatrix(model.config.vocab_size, topk, w.device)
+        self.matrix = RecyclingMatrix(model.config.vocab_size, topk, w.device, self.ops.recycle_update_)
         self.tree = load_tree(tree, topk)
         self.drafters = {
-            "tr": TokenRecycling(self.matrix, self.tree, self.ops.recycle_update_),
+            "tr": TokenRecycling(self.matrix, self.tree),
             "pld": PromptLookup(w.device),
         }
 
@@ -146,9 +146,7 @@ class Engine:
         if method == "ar":
             gen = greedy_generate(self.model, self.cache, ids, max_new_tokens, eos)
         else:
-            seed = None
-            if seed_from_prompt and method == "tr":
-                seed = lambda prompt_ids, logits: self.matrix.seed_(prompt_ids, logits, self.ops.recycle_update_)  # noqa: E731
+            seed = self.matrix.seed_ if seed_from_prompt and method == "tr" else None
             gen = speculative_generate(self.model, self.cache, ids, self.drafters[method], max_new_tokens, eos,
                                        self.ops.compact_kv_, seed)
         text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids

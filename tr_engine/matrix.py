@@ -9,15 +9,19 @@ from pathlib import Path
 
 import torch
 
+from tr_engine import reference
 from tr_engine.errors import UserError
 from tr_engine.tree import DraftTree
 
 
 class RecyclingMatrix:
-    def __init__(self, vocab_size: int, k: int = 8, device="cpu"):
+    """`update` is the recycle op (tr_engine.ops: the kernel or its reference), with recycle_update_'s contract."""
+
+    def __init__(self, vocab_size: int, k: int = 8, device="cpu", update=reference.recycle_update_):
         if k < 1:
             raise UserError(f"--topk must be at least 1, got {k}")
         self.table = torch.zeros(vocab_size, k, dtype=torch.long, device=device)  # [V, k] token ids
+        self.update = update
 
     @property
     def k(self) -> int:
@@ -32,14 +36,14 @@ class RecyclingMatrix:
             tokens[start:end] = self.table[tokens[tree.parent[start:end]], tree.rank[start:end]]
         return tokens
 
-    def recycle_(self, tokens: torch.Tensor, logits: torch.Tensor, update) -> None:
-        """Every verify token's row <- the top-k of the logits at its node ([T] ids, [T, V] logits), through the
-        ops' recycle update (duplicates: the last node in breadth-first order wins)."""
-        update(self.table, tokens, logits)
+    def recycle_(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Every verify token's row <- the top-k of the logits at its node ([T] ids, [T, V] logits); a token at
+        several nodes takes the last node's, in breadth-first order."""
+        self.update(self.table, tokens, logits)
 
-    def seed_(self, prompt_ids: list[int], logits: torch.Tensor, update) -> None:
+    def seed_(self, prompt_ids: list[int], logits: torch.Tensor) -> None:
         """Seed from a prefill: each prompt token's row <- the top-k of the logits at its position."""
-        update(self.table, torch.tensor(prompt_ids, device=self.table.device), logits)
+        self.recycle_(torch.tensor(prompt_ids, device=self.table.device), logits)
 
     def save(self, path: str | Path, fingerprint: str) -> None:
         torch.save({"table": self.table.cpu(), "vocab_size": self.table.shape[0], "fingerprint": fingerprint}, path)

@@ -32,10 +32,6 @@ class DraftTree:
         """Tokens in a verify step: the root plus the n nodes."""
         return len(self.paths) + 1
 
-    @property
-    def max_rank(self) -> int:
-        return max((p[-1] for p in self.paths), default=-1)
-
     def to(self, device) -> "DraftTree":
         move = {f: getattr(self, f).to(device) for f in ("parent", "rank", "depth", "mask")}
         return DraftTree(self.paths, levels=self.levels, children=self.children, **move)
