@@ -19,6 +19,13 @@ TORCH_LIBRARY(tr_engine, m) {
   // the lower token id. A token at several i is written from its last i only (the decode loop's rule: the last node
   // in breadth-first order wins). table int64 [V, k]; tokens int64 [T] in [0, V); logits [T, V] finite floats.
   m.def("recycle_update_(Tensor(a!) table, Tensor tokens, Tensor logits) -> ()");
+
+  // The attention of T new tokens: out[t, hq] = softmax_j(scale * q[t, hq] . k[h, j]) @ v[h, j] over the keys token t
+  // sees: every prefix slot j < prefix_len, and slot prefix_len + i wherever tree_mask[t, i] (its ancestors and
+  // itself). h = hq / (Hq / Hkv) (grouped-query attention). q [T, Hq, D]; k, v [Hkv, S, D], one layer's cache with
+  // the new tokens' K/V already at slots prefix_len..prefix_len+T-1; tree_mask bool [T, T]; every token must see at
+  // least one key. Accumulates in float32 (float64 for float64); returns [T, Hq, D] in q's dtype.
+  m.def("tree_attention(Tensor q, Tensor k, Tensor v, int prefix_len, Tensor tree_mask, float scale) -> Tensor");
 }
 
 // `import tr_engine._C` loads this library, which runs the registrations above; the module itself is empty.

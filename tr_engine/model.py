@@ -8,10 +8,14 @@ Glossary: T new tokens, P cached prefix tokens, S cache capacity, Hq/Hkv query/k
 D head dim, E hidden size, F FFN size, V vocab, L layers.
 """
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tr_engine import reference
 from tr_engine.config import LlamaConfig, rope_inv_freq
 
 
@@ -60,6 +64,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos[:, None, :], swapped, sin[:, None, :])
 
 
+@dataclass(frozen=True)
+class AttentionMask:
+    """Who the T new tokens may attend to (True = may), in one of two forms, the other None: `tree` bool [T, T]
+    among the new tokens (each also sees all P cached ones), for the tree_attention op; or `folded` bool [G*T, P+T],
+    the whole mask with rows in the folded (group, token) order, for PyTorch's fused attention."""
+
+    tree: torch.Tensor | None = None
+    folded: torch.Tensor | None = None
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -78,22 +92,24 @@ class Attention(nn.Module):
     def fuse_(self) -> None:
         self.qkv_weight = fuse_linears_(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x, cos, sin, kv, start: int, mask, linear):
-        """x [T, E]; kv [2, Hkv, S, D] this layer's cache, new K/V written at slots start..start+T-1;
-        mask None (T == 1: see everything cached) or bool [G*T, P+T] (True = may attend)."""
+    def forward(self, x, cos, sin, kv, start: int, mask: "AttentionMask", ops):
+        """x [T, E]; kv [2, Hkv, S, D] this layer's cache, new K/V written at slots start..start+T-1."""
         T, D, Hq, Hkv = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
-        qkv = linear(x, self.qkv_weight).view(T, Hq + 2 * Hkv, D)  # [T, Hq + 2 Hkv, D]: q heads, then k, then v
+        qkv = ops.linear(x, self.qkv_weight).view(T, Hq + 2 * Hkv, D)  # [T, Hq + 2 Hkv, D]: q heads, then k, then v
         qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq + Hkv, D], q and k rotated together
         end = start + T
         kv[0, :, start:end] = qk[:, Hq:].transpose(0, 1)
         kv[1, :, start:end] = qkv[:, Hq + Hkv :].transpose(0, 1)
+        if mask.tree is not None:  # decode step or tree verify: every cached token plus the tree ancestors
+            o = ops.tree_attention(qk[:, :Hq], kv[0], kv[1], start, mask.tree, D**-0.5)  # [T, Hq, D]
+            return ops.linear(o.view(T, Hq * D), self.o_proj.weight)
         # Grouped-query attention without copying K/V: the G query heads that share a KV head are folded into the
         # row dimension, [T, Hq, D] -> [Hkv, G*T, D], so each KV head is read once, as plain multi-head attention.
         # 4-D inputs select PyTorch's fused CPU/GPU attention kernels (3-D ones fall back to the unfused math path).
         q = qk[:, :Hq].reshape(T, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3).reshape(1, Hkv, -1, D)  # [1, Hkv, G*T, D]
-        o = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask)
+        o = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask.folded)
         o = o.view(Hkv, Hq // Hkv, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)  # [T, Hq*D]
-        return linear(o, self.o_proj.weight)
+        return ops.linear(o, self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -121,9 +137,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, start, mask, linear):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, mask, linear)
-        return x + self.mlp(self.post_attention_layernorm(x), linear)
+    def forward(self, x, cos, sin, kv, start, mask, ops):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, mask, ops)
+        return x + self.mlp(self.post_attention_layernorm(x), ops.linear)
 
 
 class LlamaBody(nn.Module):
@@ -137,14 +153,15 @@ class LlamaBody(nn.Module):
 class Llama(nn.Module):
     """The causal LM. Build on the `meta` device and fill with `tr_engine.weights.load_model`.
 
-    `linear(x [T, in], w [out, in]) -> [T, out]` computes every projection: F.linear, or the ops' version of it
-    (tr_engine.ops), which streams the weights faster for the few rows of a decode step.
+    `ops` (tr_engine.ops.load_ops) supplies `linear(x [T, in], w [out, in]) -> [T, out]`, which computes every
+    projection, and `tree_attention`, the attention of decode and verify steps: the compiled kernels or their
+    pure-PyTorch references (the default here).
     """
 
-    def __init__(self, config: LlamaConfig, linear=F.linear):
+    def __init__(self, config: LlamaConfig, ops=None):
         super().__init__()
         self.config = config
-        self.linear = linear
+        self.ops = ops or SimpleNamespace(linear=F.linear, tree_attention=reference.tree_attention)
         self.model = LlamaBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope_cos: torch.Tensor | None = None  # [S, D], from set_max_positions()
@@ -175,21 +192,27 @@ class Llama(nn.Module):
         input_ids [T] int64; positions [T] int64 (P..P+T-1 for causal input, P + depth for a tree);
         kv_cache [L, 2, Hkv, S, D], updated in place: the new tokens' K/V go to slots start..start+T-1;
         tree_mask None for causal attention among the new tokens, else bool [T, T], True where token i may attend
-        to token j (a tree token sees its ancestors and itself). Every new token sees all P cached tokens.
+        to token j (a tree token sees its ancestors and itself). Every new token sees all P cached tokens. A single
+        token (a decode step) and a tree go through the ops' tree_attention; a causal chunk of a prompt through
+        PyTorch's fused attention.
         Returns logits [T, V] in float32 (float64 for a float64 model), or [1, V] for the last token when `last_logits_only`.
         """
         T = input_ids.shape[0]
         G = self.config.num_attention_heads // self.config.num_key_value_heads
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D] each
-        mask = None
-        if T > 1 or tree_mask is not None:
-            new = tree_mask if tree_mask is not None else torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
-            seen = torch.ones(T, start, dtype=torch.bool, device=input_ids.device)
-            mask = torch.cat([seen, new], dim=1).repeat(G, 1)  # [G*T, P+T], rows in folded (group, token) order
+        device = input_ids.device
+        if tree_mask is not None:
+            mask = AttentionMask(tree=tree_mask)
+        elif T == 1:
+            mask = AttentionMask(tree=torch.ones(1, 1, dtype=torch.bool, device=device))  # a one-token tree
+        else:
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            seen = torch.ones(T, start, dtype=torch.bool, device=device)
+            mask = AttentionMask(folded=torch.cat([seen, causal], dim=1).repeat(G, 1))  # [G*T, P+T]
         x = self.model.embed_tokens(input_ids)  # [T, E]
         for layer, kv in zip(self.model.layers, kv_cache):
-            x = layer(x, cos, sin, kv, start, mask, self.linear)
+            x = layer(x, cos, sin, kv, start, mask, self.ops)
         if last_logits_only:
             x = x[-1:]
-        logits = self.linear(self.model.norm(x), self.lm_head.weight)  # [T, V]
+        logits = self.ops.linear(self.model.norm(x), self.lm_head.weight)  # [T, V]
         return logits if logits.element_size() >= 4 else logits.float()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tr_engine import reference
 from tr_engine.errors import UserError
 
-OP_NAMES = ("compact_kv_", "skinny_linear", "recycle_update_")
+OP_NAMES = ("compact_kv_", "skinny_linear", "recycle_update_", "tree_attention")
 KINDS = ("kernels", "reference")
 # skinny_linear accepts up to 16 rows (csrc/registration.cpp) but only wins for one: it redoes each dot product per
 # row, while MKL/oneDNN block over rows (bench/results/ar_decode.md; tr_engine measured 2.8x slower at 8 rows).
@@ -53,5 +53,9 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tr_engine::skinny_linear")
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("tr_engine::tree_attention")
+    def _(q, k, v, prefix_len, tree_mask, scale):
+        return q.new_empty(q.shape)
 
     _fakes_registered = True

@@ -31,3 +31,25 @@ def recycle_update_(table: torch.Tensor, tokens: torch.Tensor, logits: torch.Ten
     later_same = (tokens[:, None] == tokens[None, :]).triu(1).any(dim=1)  # [T]: a later row has the same token
     keep = ~later_same
     table[tokens[keep]] = top[keep]
+
+
+def tree_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, tree_mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of T new tokens over one layer's cache, written out as the textbook formula.
+
+    q [T, Hq, D]; k, v [Hkv, S, D] with the new tokens' K/V at slots prefix_len..prefix_len+T-1; tree_mask bool [T, T].
+    Token t sees all prefix_len cached keys and tree slot prefix_len + i where tree_mask[t, i]. Query head hq reads
+    KV head hq // G (G = Hq // Hkv). Computed in float32 (float64 for float64); returns [T, Hq, D] in q's dtype.
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[0]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    keys = k[:, : prefix_len + T].to(acc)  # [Hkv, P+T, D]
+    values = v[:, : prefix_len + T].to(acc)  # [Hkv, P+T, D]
+    queries = q.to(acc).view(T, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
+    sees = torch.cat([tree_mask.new_ones(T, prefix_len), tree_mask], dim=1)  # [T, P+T]
+    scores = scale * queries @ keys[:, None].transpose(-1, -2)  # [Hkv, G, T, P+T]
+    probs = scores.masked_fill(~sees, float("-inf")).softmax(dim=-1)
+    out = probs @ values[:, None]  # [Hkv, G, T, D]
+    return out.permute(2, 0, 1, 3).reshape(T, Hq, D).to(q.dtype).contiguous()

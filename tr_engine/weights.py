@@ -56,13 +56,13 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", ops: str = "kernels") -> Llama:
     """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference, its
-    projections computed by the `ops` kind's linear (tr_engine.ops)."""
+    projections and decode/verify attention computed by the `ops` kind (tr_engine.ops)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist; pass a Hugging Face model folder or a known model name")
     config = LlamaConfig.from_json(folder / "config.json")
     with torch.device("meta"):
-        model = Llama(config, load_ops(ops).linear)
+        model = Llama(config, load_ops(ops))
     expected = {name: p.shape for name, p in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
