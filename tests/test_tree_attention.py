@@ -1,0 +1,151 @@
+"""tree_attention (the attention of decode and verify steps): the C++ kernel against its textbook reference and
+against float64 ground truth, over tree masks, causal masks, GQA, head dims, awkward sizes and strided inputs."""
+
+import pytest
+import torch
+
+from tr_engine import reference
+from tr_engine.ops import load_ops
+from tr_engine.tree import build_tree, load_tree
+
+kernels = load_ops("kernels")
+
+
+def random_tree_mask(T: int, g: torch.Generator) -> torch.Tensor:
+    """A random tree over T tokens in breadth-first-like order: token i's parent is some j < i."""
+    parent = [0] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        j = i
+        while True:
+            mask[i, j] = True
+            if j == 0:
+                break
+            j = parent[j]
+    return mask
+
+
+def operands(T, P, Hq, Hkv, D, dtype, seed=0, S=None):
+    """q as the model makes it (a strided slice of the fused qkv rows) and k/v as views of one layer's cache."""
+    g = torch.Generator().manual_seed(seed)
+    S = S or P + T + 5
+    qkv = torch.randn(T, Hq + 2 * Hkv, D, generator=g).to(dtype)
+    kv = torch.randn(2, Hkv, S, D, generator=g).to(dtype)
+    return qkv[:, :Hq], kv[0], kv[1], g
+
+
+def truth(q, k, v, P, mask, scale):
+    return reference.tree_attention(q.double(), k.double(), v.double(), P, mask, scale)
+
+
+@pytest.mark.parametrize("T", [1, 7, 33, 81, 129])
+@pytest.mark.parametrize("P", [0, 1, 100, 512])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa9x3", "mha4", "mqa8"])
+def test_float32_matches_reference(T, P, heads):
+    Hq, Hkv = heads
+    q, k, v, g = operands(T, P, Hq, Hkv, 64, torch.float32, seed=T * 1000 + P)
+    mask = random_tree_mask(T, g)
+    got = kernels.tree_attention(q, k, v, P, mask, 0.125)
+    torch.testing.assert_close(got, reference.tree_attention(q, k, v, P, mask, 0.125), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("D", [16, 48, 64, 128])
+def test_head_dims(D):
+    q, k, v, g = operands(33, 70, 6, 2, D, torch.float32, seed=D)
+    mask = random_tree_mask(33, g)
+    got = kernels.tree_attention(q, k, v, 70, mask, D**-0.5)
+    torch.testing.assert_close(got, reference.tree_attention(q, k, v, 70, mask, D**-0.5), atol=2e-6, rtol=2e-5)
+
+
+def test_the_papers_tree_and_a_causal_mask():
+    tree = load_tree("2.2.2")
+    q, k, v, _ = operands(tree.size, 300, 9, 3, 64, torch.float32, S=2048)
+    for mask in (tree.mask, torch.ones(tree.size, tree.size, dtype=torch.bool).tril()):
+        got = kernels.tree_attention(q, k, v, 300, mask, 0.125)
+        torch.testing.assert_close(got, reference.tree_attention(q, k, v, 300, mask, 0.125), atol=2e-6, rtol=2e-5)
+
+
+def test_float64_is_float64_accurate():
+    q, k, v, g = operands(20, 37, 4, 2, 32, torch.float64)
+    mask = random_tree_mask(20, g)
+    torch.testing.assert_close(kernels.tree_attention(q, k, v, 37, mask, 0.3), truth(q, k, v, 37, mask, 0.3),
+                               atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,P", [(1, 512), (81, 512), (129, 33)])
+def test_half_types_by_the_flash_attention_rule(dtype, T, P):
+    """Kernel error vs float64 truth <= 2x the reference's own error when it runs in the same dtype."""
+    q, k, v, g = operands(T, P, 9, 3, 64, dtype, seed=T + P)
+    mask = random_tree_mask(T, g)
+    want = truth(q, k, v, P, mask, 0.125)
+    kernel_err = (kernels.tree_attention(q, k, v, P, mask, 0.125).double() - want).abs().max().item()
+    ref_err = (reference.tree_attention(q, k, v, P, mask, 0.125).double() - want).abs().max().item()
+    assert kernel_err <= 2 * ref_err + 1e-6, (kernel_err, ref_err)
+
+
+def test_large_scores_do_not_overflow():
+    """Softmax subtracts the row maximum: scores of several hundred stay finite, and as accurate as float32 allows
+    (the rounding of a score of ~500 is what limits both the kernel and the reference)."""
+    q, k, v, g = operands(9, 40, 2, 1, 16, torch.float32)
+    q = q * 60
+    mask = random_tree_mask(9, g)
+    want = truth(q, k, v, 40, mask, 1.0)
+    got = kernels.tree_attention(q, k, v, 40, mask, 1.0)
+    assert torch.isfinite(got).all()
+    ref_err = (reference.tree_attention(q, k, v, 40, mask, 1.0).double() - want).abs().max().item()
+    assert (got.double() - want).abs().max().item() <= 2 * ref_err + 1e-6
+
+
+def test_only_the_visible_keys_matter():
+    """Changing a key that no token sees (a non-ancestor tree slot, or a slot past the tree) changes nothing."""
+    tree = build_tree([[0], [1], [0, 0]])  # root 0; 1 = [0], 2 = [1], 3 = [0, 0] (child of 1)
+    q, k, v, _ = operands(tree.size, 10, 2, 1, 16, torch.float32)
+    before = kernels.tree_attention(q, k, v, 10, tree.mask, 0.25)
+    k[:, 10 + 2] += 100  # token 2 is no ancestor of 0, 1 or 3: only its own row may change
+    v[:, 10 + tree.size :] = float("nan")  # slots past the tree
+    after = kernels.tree_attention(q, k, v, 10, tree.mask, 0.25)
+    keep = torch.tensor([0, 1, 3])
+    assert torch.equal(after[keep], before[keep])
+    assert not torch.equal(after[2], before[2])
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: {**a, "prefix_len": 0, "tree_mask": torch.zeros(3, 3, dtype=torch.bool)}, "sees no key"),
+        (lambda a: {**a, "tree_mask": torch.ones(2, 2, dtype=torch.bool)}, "tree_mask must be bool"),
+        (lambda a: {**a, "tree_mask": torch.ones(3, 3)}, "tree_mask must be bool"),
+        (lambda a: {**a, "prefix_len": 8}, "exceeds the cache"),
+        (lambda a: {**a, "q": a["q"].double()}, "share a dtype"),
+        (lambda a: {**a, "q": torch.randn(3, 5, 8)}, "not a multiple"),
+        (lambda a: {**a, "k": a["k"][:, :, :4], "v": a["v"][:, :, :4]}, "head dim"),
+    ],
+)
+def test_argument_errors_name_the_argument(change, message):
+    args = {"q": torch.randn(3, 4, 8), "k": torch.randn(2, 10, 8), "v": torch.randn(2, 10, 8), "prefix_len": 5,
+            "tree_mask": torch.ones(3, 3, dtype=torch.bool).tril(), "scale": 0.5}
+    args = change(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.tree_attention(**args)
+
+
+def test_opcheck():
+    q, k, v, g = operands(5, 7, 4, 2, 16, torch.float32)
+    torch.library.opcheck(torch.ops.tr_engine.tree_attention, (q, k, v, 7, random_tree_mask(5, g), 0.25))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,P,heads,D", [(1, 512, (32, 32), 128), (81, 512, (32, 32), 128), (81, 2048, (9, 3), 64),
+                                          (7, 0, (8, 1), 64), (129, 33, (9, 3), 64)])
+def test_cuda_kernel(dtype, T, P, heads, D):
+    q, k, v, g = operands(T, P, *heads, D, dtype, seed=T + P)
+    mask = random_tree_mask(T, g)
+    want = truth(q, k, v, P, mask, D**-0.5)
+    got = kernels.tree_attention(q.cuda(), k.cuda(), v.cuda(), P, mask.cuda(), D**-0.5).cpu()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want.float(), atol=2e-6, rtol=2e-5)
+    else:
+        ref_err = (reference.tree_attention(q, k, v, P, mask, D**-0.5).double() - want).abs().max().item()
+        assert (got.double() - want).abs().max().item() <= 2 * ref_err + 1e-6
