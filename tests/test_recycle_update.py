@@ -79,3 +79,18 @@ def test_bad_arguments_are_refused(table, tokens, logits, message):
 def test_opcheck():
     table = torch.zeros(50, 4, dtype=torch.long)
     torch.library.opcheck(torch.ops.tr_engine.recycle_update_, (table, torch.tensor([3, 7]), torch.randn(2, 50)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [1, 81, 129])
+def test_cuda_kernel_matches_reference(dtype, T):
+    V = 49152
+    g = torch.Generator().manual_seed(T)
+    tokens = torch.randint(0, 40, (T,), generator=g)
+    logits = torch.randn(T, V, generator=g).round().to(dtype)  # rounded: ties everywhere
+    want = torch.full((V, 8), -1, dtype=torch.long)
+    reference.recycle_update_(want, tokens, logits)
+    got = torch.full((V, 8), -1, dtype=torch.long, device="cuda")
+    kernels.recycle_update_(got, tokens.cuda(), logits.cuda())
+    assert torch.equal(got.cpu(), want)

@@ -70,3 +70,14 @@ def test_engine_linear_routes_by_rows():
 def test_opcheck():
     x, w = operands(3, 64, 32, torch.float32)
     torch.library.opcheck(torch.ops.tr_engine.skinny_linear, (x, w))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_cuda_kernel_matches_reference(dtype, rows):
+    x, w = operands(rows, 576, 1536, dtype)
+    truth = F.linear(x.double(), w.double())
+    got = kernels.skinny_linear(x.cuda(), w.cuda()).cpu()
+    ref_err = (reference.skinny_linear(x, w).double() - truth).abs().max().item()
+    assert (got.double() - truth).abs().max().item() <= 2 * ref_err + 1e-6
