@@ -17,23 +17,75 @@ import torch.nn.functional as F
 from bench.machine import machine_info, machine_line
 from tr_engine import reference
 from tr_engine.ops import load_ops
+from tr_engine.tree import load_tree
 
-V, E, L, HKV, D, K = 49152, 576, 30, 3, 64, 8  # SmolLM2-135M
+V, E, L, HQ, HKV, D, K = 49152, 576, 30, 9, 3, 64, 8  # SmolLM2-135M
+TREE_TOKENS = (1, 16, 32, 64, 81, 128)
+PREFIXES = (128, 512, 2048)
 
 
-def median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
+def tree_mask(T: int) -> torch.Tensor:
+    """The paper's 2.2.2 tree for T = 81; otherwise the first T tokens of a breadth-first tree with 4 children per
+    node (a plausible draft tree of that size). bool [T, T]."""
+    if T == load_tree("2.2.2").size:
+        return load_tree("2.2.2").mask
+    parent = [0] + [(i - 1) // 4 for i in range(1, T)]
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        j = i
+        while True:
+            mask[i, j] = True
+            if j == 0:
+                break
+            j = parent[j]
+    return mask
+
+
+def attention_cases(ops):
+    """Tree attention at SmolLM2 shapes. stock = what the model does without the op: fold the query heads that share
+    a KV head into rows, `scaled_dot_product_attention` with the boolean [G*T, P+T] mask (built once per forward, so
+    outside the timing), unfold."""
+    G = HQ // HKV
+    for dtype in (torch.float32, torch.bfloat16):
+        for P in PREFIXES:
+            for T in TREE_TOKENS:
+                kv = torch.randn(2, HKV, P + 160, D).to(dtype)  # one layer's cache, with room past the tree
+                q = torch.randn(T, HQ + 2 * HKV, D).to(dtype)[:, :HQ]  # a strided slice of the fused qkv, as in the model
+                mask = tree_mask(T)
+                folded = torch.cat([torch.ones(T, P, dtype=torch.bool), mask], dim=1).repeat(G, 1)
+
+                def stock(q=q, kv=kv, folded=folded, T=T, P=P):
+                    qf = q.reshape(T, HKV, G, D).permute(1, 2, 0, 3).reshape(1, HKV, G * T, D)
+                    o = F.scaled_dot_product_attention(qf, kv[None, 0, :, : P + T], kv[None, 1, :, : P + T],
+                                                       attn_mask=folded)
+                    return o.view(HKV, G, T, D).permute(2, 0, 1, 3).reshape(T, HQ * D)
+
+                name = str(dtype).removeprefix("torch.")
+                yield "tree_attention", f"T={T}, prefix {P}, {HQ}q/{HKV}kv heads, D={D} {name}", {
+                    "ours": lambda q=q, kv=kv, mask=mask, P=P: ops.tree_attention(q, kv[0], kv[1], P, mask, D**-0.5),
+                    "stock": stock,
+                    "reference": lambda q=q, kv=kv, mask=mask, P=P: reference.tree_attention(q, kv[0], kv[1], P, mask,
+                                                                                            D**-0.5)}
+
+
+def median_ms(impls: dict, reps: int) -> dict:
+    """Median milliseconds per call of each implementation, timed in alternation (one call of each per round), so a
+    slow spell of a noisy machine hits all of them alike."""
+    for fn in impls.values():
+        for _ in range(3):
+            fn()
+    times = {name: [] for name in impls}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for name, fn in impls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def cases(ops):
     """(op, shape, {implementation: callable}) rows; 'stock' is what one writes without the op."""
+    yield from attention_cases(ops)
     for T in (16, 81, 128):
         logits = torch.randn(T, V)
         tokens = torch.randint(0, V, (T,))
@@ -76,8 +128,8 @@ def main(argv=None) -> int:
     rows = []
     with torch.inference_mode():
         for op, shape, impls in cases(ops):
-            ms = {name: median_ms(fn, args.reps if name != "reference" else max(args.reps // 5, 3))
-                  for name, fn in impls.items()}
+            reference_fn = impls.pop("reference")  # slow by design: fewer calls, timed on its own
+            ms = {**median_ms(impls, args.reps), **median_ms({"reference": reference_fn}, max(args.reps // 5, 3))}
             rows.append({"op": op, "shape": shape, **{f"{k}_ms": v for k, v in ms.items()},
                          "vs_stock": ms["stock"] / ms["ours"], "vs_reference": ms["reference"] / ms["ours"]})
             print(f"{op:16} {shape:45} ours {ms['ours']:8.3f} ms  stock {ms['stock']:8.3f} ms  "
@@ -88,7 +140,8 @@ def main(argv=None) -> int:
     for r in rows:
         lines.append(f"| {r['op']} | {r['shape']} | {r['ours_ms']:.3f} | {r['stock_ms']:.3f} | {r['vs_stock']:.2f}x | "
                      f"{r['reference_ms']:.3f} |")
-    lines += ["", "stock: recycle = `topk` + indexed assignment (its duplicate winner is unspecified); compaction = "
+    lines += ["", "stock: tree attention = `scaled_dot_product_attention` with a boolean mask, the query heads of "
+              "each KV head folded into rows (as the model does without the op); recycle = `topk` + indexed assignment (its duplicate winner is unspecified); compaction = "
               "`index_select` + copy; skinny_linear = `F.linear` (MKL/oneDNN). The recycle reference sorts stably "
               "to specify ties exactly, so it is slow by design.",
               "", "skinny_linear here re-reads one weight that stays in cache between calls, except the 49152-row LM "
