@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--only", nargs="+", metavar="OP", help="benchmark only these ops (e.g. tree_attention)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -128,6 +129,8 @@ def main(argv=None) -> int:
     rows = []
     with torch.inference_mode():
         for op, shape, impls in cases(ops):
+            if args.only and op not in args.only:
+                continue
             reference_fn = impls.pop("reference")  # slow by design: fewer calls, timed on its own
             ms = {**median_ms(impls, args.reps), **median_ms({"reference": reference_fn}, max(args.reps // 5, 3))}
             rows.append({"op": op, "shape": shape, **{f"{k}_ms": v for k, v in ms.items()},

@@ -103,7 +103,7 @@ class Attention(nn.Module):
         kv[1, :, start:end] = qkv[:, Hq + Hkv :].transpose(0, 1)
         if mask.tree is not None:  # tree verify: every cached token plus the tree ancestors
             o = ops.tree_attention(qk[:, :Hq], kv[0], kv[1], start, mask.tree, D**-0.5)  # [T, Hq, D]
-            return ops.linear(o.view(T, Hq * D), self.o_proj.weight)
+            return ops.linear(o.reshape(T, Hq * D), self.o_proj.weight)
         # Grouped-query attention without copying K/V: the G query heads that share a KV head are folded into the
         # row dimension, [T, Hq, D] -> [Hkv, G*T, D], so each KV head is read once, as plain multi-head attention.
         # 4-D inputs select PyTorch's fused CPU/GPU attention kernels (3-D ones fall back to the unfused math path).
