@@ -29,6 +29,7 @@ using tr_engine_cpu::to_float;
 constexpr int64_t kRows = 6;
 constexpr int64_t kCols = 64;
 constexpr int64_t kKeyPad = 16;  // prefix keys are padded to a multiple of this (one vector), not of kCols
+constexpr int64_t kKeyBlock = 256;  // prefix keys per softmax block: 6 rows of scores stay in L1 (6 KB)
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -78,48 +79,48 @@ void scores_tile(const Acc* q, int64_t D, const Acc* kt, int64_t ldk, int64_t n,
   for (; j0 < n; j0 += kKeyPad) scores_chunk<Acc, R, kKeyPad>(q, D, kt, ldk, j0, s, lds);
 }
 
-// o[r, c] += sum_{j < n} p[r, j] * v[j, c] for r < R, c < Dp (a multiple of kCols). v [n, >= Dp], rows ldv apart.
-template <typename Acc, int64_t R>
-void values_tile(const Acc* p, int64_t ldp, const Acc* v, int64_t ldv, int64_t Dp, int64_t n, Acc* o) {
-  for (int64_t c0 = 0; c0 < Dp; c0 += kCols) {
-    Acc acc[R][kCols] = {};
-    for (int64_t j = 0; j < n; ++j) {
-      const Acc* vj = v + j * ldv + c0;
-      for (int64_t r = 0; r < R; ++r) {
-        const Acc pv = p[r * ldp + j];
+// o[r, c0 + c] += sum_{j < n} p[r, j] * v[j, c0 + c] for r < R and the W columns from c0. v [n, >= c0 + W] in its
+// storage type (converted in the loop: bf16 -> float is a shift), rows ldv apart; o [R, D].
+template <typename Acc, int64_t R, int64_t W, typename V>
+void values_chunk(const Acc* p, int64_t ldp, const V* v, int64_t ldv, int64_t c0, int64_t n, Acc* o, int64_t D) {
+  Acc acc[R][W] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const V* vj = v + j * ldv + c0;
+    for (int64_t r = 0; r < R; ++r) {
+      const Acc pv = p[r * ldp + j];
 #pragma omp simd
-        for (int64_t c = 0; c < kCols; ++c) acc[r][c] += pv * vj[c];
-      }
+      for (int64_t c = 0; c < W; ++c) acc[r][c] += pv * to_float(vj[c]);
     }
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < kCols; ++c) o[r * Dp + c0 + c] += acc[r][c];
   }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < W; ++c) o[r * D + c0 + c] += acc[r][c];
 }
 
-// One KV head's keys and values in Acc, laid out for the tiles: prefix keys transposed ([D, Pp], Pp = P rounded up
-// to kKeyPad; the padding keys' scores are computed and masked), tree keys as rows ([T, D]), and all P + T values as
-// rows of at least Dp = D rounded up to kCols columns (zero-padded), ldv apart. float32 values whose rows already
-// have Dp columns are read from the cache where they are, not copied.
+// All D columns: wide chunks, then one vector, then single columns (head dims that are not a multiple of 16).
+template <typename Acc, int64_t R, typename V>
+void values_tile(const Acc* p, int64_t ldp, const V* v, int64_t ldv, int64_t n, Acc* o, int64_t D) {
+  int64_t c0 = 0;
+  for (; c0 + kCols <= D; c0 += kCols) values_chunk<Acc, R, kCols>(p, ldp, v, ldv, c0, n, o, D);
+  for (; c0 + kKeyPad <= D; c0 += kKeyPad) values_chunk<Acc, R, kKeyPad>(p, ldp, v, ldv, c0, n, o, D);
+  for (; c0 < D; ++c0) values_chunk<Acc, R, 1>(p, ldp, v, ldv, c0, n, o, D);
+}
+
+// One KV head's keys in Acc, laid out for the score tiles: prefix keys transposed ([D, Pp], Pp = P rounded up to
+// kKeyPad; the padding keys' scores are computed and masked) and tree keys as rows ([T, D]). Values need no layout
+// change: the tiles read them from the cache where they are.
 template <typename Acc>
-struct HeadBuffers {
-  int64_t D, Dp, P, Pp, T;
+struct HeadKeys {
+  int64_t D, P, Pp, T;
   std::unique_ptr<Acc[]> data;  // uninitialised: fill_keys writes every element that is read
-  const Acc* values = nullptr;
-  int64_t ldv = 0;
   Acc* kt() { return data.get(); }
   Acc* ktree() { return kt() + D * Pp; }
-  Acc* value_copy() { return ktree() + T * D; }
-  HeadBuffers(int64_t D, int64_t P, int64_t T, bool copy_values)
-      : D(D), Dp(round_up(D, kCols)), P(P), Pp(round_up(P, kKeyPad)), T(T),
-        data(new Acc[D * Pp + T * D + (copy_values ? (P + T) * Dp : 0)]) {
-    if (copy_values) values = value_copy(), ldv = Dp;
-  }
+  HeadKeys(int64_t D, int64_t P, int64_t T)
+      : D(D), P(P), Pp(round_up(P, kKeyPad)), T(T), data(new Acc[D * Pp + T * D]) {}
 };
 
-// Convert cache slots j0..j1-1 of one head (k, v point at slot 0; slot_stride elements between slots).
+// Convert the keys of cache slots j0..j1-1 of one head (k points at slot 0; slot_stride elements between slots).
 template <typename scalar_t, typename Acc>
-void fill_keys(HeadBuffers<Acc>& b, const scalar_t* k, const scalar_t* v, int64_t slot_stride, int64_t j0,
-               int64_t j1) {
+void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t j0, int64_t j1) {
   const int64_t D = b.D, P = b.P;
   // Transpose in blocks of 16 keys, so both the reads (16 key rows) and the writes (16 adjacent floats) stay in L1.
   for (int64_t jb = j0; jb < std::min(j1, P); jb += 16)
@@ -127,41 +128,37 @@ void fill_keys(HeadBuffers<Acc>& b, const scalar_t* k, const scalar_t* v, int64_
       for (int64_t j = jb; j < std::min({jb + 16, j1, P}); ++j) b.kt()[d * b.Pp + j] = to_float(k[j * slot_stride + d]);
   for (int64_t j = std::max(j0, P); j < j1; ++j)
     for (int64_t d = 0; d < D; ++d) b.ktree()[(j - P) * D + d] = to_float(k[j * slot_stride + d]);
-  if (b.values != b.value_copy()) return;  // read in place
-  for (int64_t j = j0; j < j1; ++j) {
-    Acc* row = b.value_copy() + j * b.Dp;
-    for (int64_t d = 0; d < D; ++d) row[d] = to_float(v[j * slot_stride + d]);
-    std::fill(row + D, row + b.Dp, Acc(0));
-  }
 }
 
-// Where one task works: R <= kRows query rows, row r being query head qhead[r] of token tok[r].
-template <typename Acc>
+// Where one task works. Its R <= kRows query rows are query head qhead[r] of token tok[r].
+template <typename scalar_t, typename Acc>
 struct TaskScratch {
-  std::vector<Acc> qs, s, ku, vu, o;  // [R, D], [R, Pp + Tp], [D, Tp], [Tp, Dp], [R, Dp]
-  std::vector<int64_t> tree_keys;     // the union of the task's tokens' visible tree keys (indices into the tree)
-  std::unique_ptr<bool[]> seen_;      // [T] membership in that union
-  bool* seen_data() { return seen_.get(); }
-  TaskScratch(int64_t D, int64_t Dp, int64_t Pp, int64_t T)
-      : qs(kRows * D), s(kRows * (Pp + round_up(T, kKeyPad))), ku(D * round_up(T, kKeyPad)),
-        vu(round_up(T, kKeyPad) * Dp), o(kRows * Dp), seen_(new bool[T]) {
+  std::vector<Acc> qs, s, ku, o;   // [R, D] scaled queries, [R, lds] one key block's scores, [D, Tp] tree keys, [R, D]
+  int64_t lds;                     // room for a block of prefix keys or all tree keys
+  std::vector<scalar_t> vu;        // [Tp, D] tree value rows, as stored
+  std::vector<int64_t> tree_keys;  // the union of the task's tokens' visible tree keys (indices into the tree)
+  std::unique_ptr<bool[]> seen;    // [T] membership in that union
+  TaskScratch(int64_t D, int64_t T)
+      : qs(kRows * D), ku(D * round_up(T, kKeyPad)), o(kRows * D), lds(std::max(kKeyBlock, round_up(T, kKeyPad))),
+        vu(round_up(T, kKeyPad) * D), seen(new bool[T]) {
+    s.resize(kRows * lds);
     tree_keys.reserve(T);
   }
 };
 
 template <typename scalar_t, typename Acc, int64_t R>
-void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc scale, const HeadBuffers<Acc>& b0, const bool* mask,
-                 const int64_t* tok, const int64_t* qhead, TaskScratch<Acc>& w, scalar_t* out, int64_t Hq) {
-  auto& b = const_cast<HeadBuffers<Acc>&>(b0);
-  const int64_t D = b.D, Dp = b.Dp, P = b.P, Pp = b.Pp, T = b.T;
+void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc scale, HeadKeys<Acc>& b, const scalar_t* v,
+                 int64_t ldv, const bool* mask, const int64_t* tok, const int64_t* qhead,
+                 TaskScratch<scalar_t, Acc>& w, scalar_t* out, int64_t Hq) {
+  const int64_t D = b.D, P = b.P, Pp = b.Pp, T = b.T;
   Acc* qs = w.qs.data();
   for (int64_t r = 0; r < R; ++r) {
     const scalar_t* qr = q + tok[r] * q_strides[0] + qhead[r] * q_strides[1];
     for (int64_t d = 0; d < D; ++d) qs[r * D + d] = to_float(qr[d]) * scale;
   }
-  // The tree keys any row of the task sees, gathered: transposed keys ku [D, nup] and value rows vu [nu, Dp].
+  // The tree keys any row of the task sees, gathered: transposed keys ku [D, nup] and value rows vu [nu, D].
   // The rows are token-major, so each distinct token's mask row is OR-ed in once.
-  bool* seen = w.seen_data();
+  bool* seen = w.seen.get();
   std::fill(seen, seen + T, false);
   for (int64_t r = 0; r < R; ++r)
     if (r == 0 || tok[r] != tok[r - 1])
@@ -170,44 +167,59 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc scale, const H
   keys.clear();
   for (int64_t i = 0; i < T; ++i)
     if (seen[i]) keys.push_back(i);
-  const int64_t nu = static_cast<int64_t>(keys.size()), nup = round_up(nu, kKeyPad), W = Pp + nup;
+  const int64_t nu = static_cast<int64_t>(keys.size()), nup = round_up(nu, kKeyPad);
   for (int64_t u = 0; u < nu; ++u) {
     const Acc* key = b.ktree() + keys[u] * D;
     for (int64_t d = 0; d < D; ++d) w.ku[d * nup + u] = key[d];
+    std::copy(v + (P + keys[u]) * ldv, v + (P + keys[u]) * ldv + D, w.vu.begin() + u * D);
   }
-  for (int64_t u = 0; u < nu; ++u) std::copy(b.values + (P + keys[u]) * b.ldv, b.values + (P + keys[u]) * b.ldv + Dp,
-                                             w.vu.begin() + u * Dp);
-  // Scores: columns [0, Pp) the prefix, [Pp, Pp + nup) the gathered tree keys; then mask what a row must not see
-  // (prefix padding, tree padding, and tree keys that are another token's ancestors).
-  Acc* s = w.s.data();
-  if (Pp > 0) scores_tile<Acc, R>(qs, D, b.kt(), Pp, Pp, s, W);
-  scores_tile<Acc, R>(qs, D, w.ku.data(), nup, nup, s + Pp, W);
-  constexpr Acc kMasked = -std::numeric_limits<Acc>::infinity();
-  Acc total[R];
-  for (int64_t r = 0; r < R; ++r) {
-    Acc* sr = s + r * W;
-    std::fill(sr + P, sr + Pp, kMasked);
-    for (int64_t u = 0; u < nup; ++u)
-      if (u >= nu || !mask[tok[r] * T + keys[u]]) sr[Pp + u] = kMasked;
-    Acc m = kMasked;
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < W; ++j) m = sr[j] > m ? sr[j] : m;
-    Acc l = 0;
-#pragma omp simd reduction(+ : l)
-    for (int64_t j = 0; j < W; ++j) {
-      sr[j] = exp_nonpositive(sr[j] - m);
-      l += sr[j];
-    }
-    total[r] = l;
-  }
+  // Flash-attention style: key blocks of kKeyBlock prefix keys, then the gathered tree keys, each folded into a
+  // running max m, sum l and output o per row, so the scores of a block stay in L1 however long the prefix is.
+  Acc m[R], l[R];
+  std::fill(m, m + R, -std::numeric_limits<Acc>::infinity());
+  std::fill(l, l + R, Acc(0));
   Acc* o = w.o.data();
-  std::fill(o, o + R * Dp, Acc(0));
-  if (P > 0) values_tile<Acc, R>(s, W, b.values, b.ldv, Dp, P, o);
-  values_tile<Acc, R>(s + Pp, W, w.vu.data(), Dp, Dp, nu, o);
+  std::fill(o, o + R * D, Acc(0));
+  Acc* s = w.s.data();
+  const int64_t lds = w.lds;
+  // Fold scores s[:, 0:width) (masked entries already -inf) and their value rows into (m, l, o).
+  auto absorb = [&](int64_t width, const scalar_t* values, int64_t ld_values, int64_t n_values) {
+    for (int64_t r = 0; r < R; ++r) {
+      Acc* sr = s + r * lds;
+      Acc block_max = -std::numeric_limits<Acc>::infinity();
+#pragma omp simd reduction(max : block_max)
+      for (int64_t j = 0; j < width; ++j) block_max = sr[j] > block_max ? sr[j] : block_max;
+      const Acc new_max = std::max(m[r], block_max);
+      const Acc correction = exp_nonpositive(m[r] - new_max);  // 0 for the first block (m = -inf)
+      Acc block_sum = 0;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t j = 0; j < width; ++j) {
+        sr[j] = exp_nonpositive(sr[j] - new_max);
+        block_sum += sr[j];
+      }
+      l[r] = l[r] * correction + block_sum;
+      m[r] = new_max;
+      for (int64_t d = 0; d < D; ++d) o[r * D + d] *= correction;
+    }
+    values_tile<Acc, R>(s, lds, values, ld_values, n_values, o, D);
+  };
+  constexpr Acc kMasked = -std::numeric_limits<Acc>::infinity();
+  for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, P - j0), width = round_up(n, kKeyPad);
+    scores_tile<Acc, R>(qs, D, b.kt() + j0, Pp, width, s, lds);
+    for (int64_t r = 0; r < R; ++r) std::fill(s + r * lds + n, s + r * lds + width, kMasked);  // padding keys
+    absorb(width, v + j0 * ldv, ldv, n);
+  }
+  scores_tile<Acc, R>(qs, D, w.ku.data(), nup, nup, s, lds);
+  for (int64_t r = 0; r < R; ++r)  // tree padding, and tree keys that are another token's ancestors
+    for (int64_t u = 0; u < nup; ++u)
+      if (u >= nu || !mask[tok[r] * T + keys[u]]) s[r * lds + u] = kMasked;
+  absorb(nup, w.vu.data(), D, nu);
+  Acc* total = l;
   for (int64_t r = 0; r < R; ++r) {
     scalar_t* dst = out + (tok[r] * Hq + qhead[r]) * D;
     const Acc inv = Acc(1) / total[r];
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[r * Dp + d] * inv);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[r * D + d] * inv);
   }
 }
 
@@ -218,21 +230,16 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
   const auto* kp = k.data_ptr<scalar_t>();
   const auto* vp = v.data_ptr<scalar_t>();
   const int64_t slot_stride = k.stride(1);
-  // Convert each KV head once; every task of that head reads it.
-  const bool in_place = std::is_same_v<scalar_t, Acc> && D % kCols == 0;
-  std::vector<HeadBuffers<Acc>> heads;
+  // Convert each KV head's keys once; every task of that head reads them.
+  std::vector<HeadKeys<Acc>> heads;
   heads.reserve(Hkv);
-  for (int64_t h = 0; h < Hkv; ++h) {
-    heads.emplace_back(D, P, T, !in_place);
-    if (in_place) heads[h].values = reinterpret_cast<const Acc*>(vp + h * v.stride(0)), heads[h].ldv = slot_stride;
-  }
+  for (int64_t h = 0; h < Hkv; ++h) heads.emplace_back(D, P, T);
   constexpr int64_t kFillBlock = 128;  // slots per conversion task
   const int64_t fill_blocks = (P + T + kFillBlock - 1) / kFillBlock;
   at::parallel_for(0, Hkv * fill_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / fill_blocks, j0 = i % fill_blocks * kFillBlock;
-      fill_keys(heads[h], kp + h * k.stride(0), vp + h * v.stride(0), slot_stride, j0,
-                std::min(j0 + kFillBlock, P + T));
+      fill_keys(heads[h], kp + h * k.stride(0), slot_stride, j0, std::min(j0 + kFillBlock, P + T));
     }
   });
   // Tasks: each KV head's G*T query rows (token-major: the G heads of token t are adjacent) in blocks of kRows.
@@ -241,7 +248,7 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
   const auto* qp = q.data_ptr<scalar_t>();
   auto* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
-    TaskScratch<Acc> scratch(D, heads[0].Dp, heads[0].Pp, T);
+    TaskScratch<scalar_t, Acc> scratch(D, T);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, r0 = task % blocks * kRows, R = std::min(kRows, rows - r0);
       int64_t tok[kRows], qhead[kRows];
@@ -250,8 +257,9 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
         qhead[r] = h * G + (r0 + r) % G;
       }
       auto run = [&](auto rows_const) {
-        attend_rows<scalar_t, Acc, decltype(rows_const)::value>(qp, q_strides, static_cast<Acc>(scale), heads[h], mask,
-                                                                tok, qhead, scratch, op, Hq);
+        attend_rows<scalar_t, Acc, decltype(rows_const)::value>(qp, q_strides, static_cast<Acc>(scale), heads[h],
+                                                                vp + h * v.stride(0), slot_stride, mask, tok, qhead,
+                                                                scratch, op, Hq);
       };
       switch (R) {
         case 1: run(std::integral_constant<int64_t, 1>{}); break;
@@ -264,6 +272,7 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
     }
   });
 }
+
 
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
                               const at::Tensor& tree_mask, double scale) {
