@@ -13,7 +13,7 @@ MODEL       ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 CSRC        := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
 
-.PHONY: install model generate test test-fast bench-ar cuda-check clean
+.PHONY: install model generate test test-fast bench-ar bench-kernels bench-step cuda-check clean
 
 $(VENV)/.deps: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,12 +45,16 @@ test-fast: install
 bench-ar: model
 	$(PY) -m bench.ar_decode
 
-# Compile-check every CUDA kernel for Ampere and Hopper with nvcc alone (no CUDA build of torch needed).
-cuda-check:
-	@for f in $(wildcard csrc/cuda/*.cu); do \
-	  echo "nvcc $$f"; \
-	  nvcc -std=c++17 -c -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 $$f -o /dev/null || exit 1; \
-	done
+bench-kernels: install
+	$(PY) -m bench.kernels
+
+bench-step: model
+	$(PY) -m bench.verify_step
+
+# Compile every CUDA kernel for Ampere and Hopper with nvcc alone, and the torch-facing launchers against torch's
+# headers (no CUDA build of torch needed).
+cuda-check: install
+	$(PY) -m pytest -q tests/test_cuda_sources.py
 
 clean:
 	rm -rf build *.egg-info tr_engine/_C*.so $(VENV)/.built
