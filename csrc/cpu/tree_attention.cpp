@@ -33,27 +33,28 @@ constexpr int64_t kKeyBlock = 256;  // prefix keys per softmax block: 6 rows of 
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// exp(x) for x <= 0, within 2 ulp, as branch-free arithmetic the compiler vectorises (std::exp is a scalar call).
-// x = n ln2 + r with |r| <= ln2/2; exp(r) by its degree-6 Taylor polynomial; 2^n written into the exponent bits.
-// Inputs below -87 (masked scores are -inf) give exactly 0.
-inline float exp_nonpositive(float x) {
+// 2^x for x <= 0, within 2 ulp, as branch-free arithmetic the compiler vectorises (std::exp2 is a scalar call).
+// Scores are kept in log2 units (the queries are pre-multiplied by log2(e)), so softmax needs 2^x, whose range
+// reduction is exact: x = n + r with n = round(x), |r| <= 1/2; 2^r = e^(r ln2) by its degree-6 Taylor polynomial
+// (relative error < 2e-7); 2^n is written into the exponent bits. Inputs below -126 (masked scores are -inf) give 0.
+inline float exp2_nonpositive(float x) {
   const float x_in = x;
-  x = std::max(x, -87.0f);  // keeps the exponent arithmetic below in range
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = std::fma(n, -0.693145752f, std::fma(n, -1.42860677e-6f, x));  // ln2 in two parts: exact n*ln2_hi
-  float p = 1.f / 720;
-  p = std::fma(p, r, 1.f / 120);
-  p = std::fma(p, r, 1.f / 24);
-  p = std::fma(p, r, 1.f / 6);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.f);
-  p = std::fma(p, r, 1.f);
+  x = std::max(x, -126.0f);  // keeps the exponent arithmetic below in range
+  const float n = std::nearbyint(x);
+  const float r = x - n;
+  float p = 1.5403530e-4f;  // (ln 2)^6 / 6!
+  p = std::fma(p, r, 1.3333558e-3f);
+  p = std::fma(p, r, 9.6181291e-3f);
+  p = std::fma(p, r, 5.5504109e-2f);
+  p = std::fma(p, r, 2.4022651e-1f);
+  p = std::fma(p, r, 6.9314718e-1f);  // ln 2
+  p = std::fma(p, r, 1.0f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return x_in < -87.0f ? 0.f : p * scale;
+  return x_in < -126.0f ? 0.f : p * scale;
 }
-inline double exp_nonpositive(double x) { return std::exp(x); }
+inline double exp2_nonpositive(double x) { return std::exp2(x); }
 
 // s[r, j] = sum_d q[r, d] * kt[d, j] for r < R and the W keys j0..j0+W-1. q [R, D]; kt [D, ldk] holds the keys
 // transposed, so the innermost loop runs along keys: one broadcast of q[r, d] times a vector of keys.
@@ -122,10 +123,19 @@ struct HeadKeys {
 template <typename scalar_t, typename Acc>
 void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t j0, int64_t j1) {
   const int64_t D = b.D, P = b.P;
-  // Transpose in blocks of 16 keys, so both the reads (16 key rows) and the writes (16 adjacent floats) stay in L1.
-  for (int64_t jb = j0; jb < std::min(j1, P); jb += 16)
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t j = jb; j < std::min({jb + 16, j1, P}); ++j) b.kt()[d * b.Pp + j] = to_float(k[j * slot_stride + d]);
+  // Transpose in blocks of 16 keys, so both the reads (16 key rows) and the writes (16 adjacent floats) stay in L1;
+  // a full block has a fixed width, which the compiler turns into vector gathers.
+  const int64_t prefix_end = std::min(j1, P);
+  int64_t jb = j0;
+  for (; jb + 16 <= prefix_end; jb += 16)
+    for (int64_t d = 0; d < D; ++d) {
+      Acc* dst = b.kt() + d * b.Pp + jb;
+      const scalar_t* src = k + jb * slot_stride + d;
+#pragma omp simd
+      for (int64_t j = 0; j < 16; ++j) dst[j] = to_float(src[j * slot_stride]);
+    }
+  for (; jb < prefix_end; ++jb)
+    for (int64_t d = 0; d < D; ++d) b.kt()[d * b.Pp + jb] = to_float(k[jb * slot_stride + d]);
   for (int64_t j = std::max(j0, P); j < j1; ++j)
     for (int64_t d = 0; d < D; ++d) b.ktree()[(j - P) * D + d] = to_float(k[j * slot_stride + d]);
 }
@@ -147,14 +157,14 @@ struct TaskScratch {
 };
 
 template <typename scalar_t, typename Acc, int64_t R>
-void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc scale, HeadKeys<Acc>& b, const scalar_t* v,
+void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, HeadKeys<Acc>& b, const scalar_t* v,
                  int64_t ldv, const bool* mask, const int64_t* tok, const int64_t* qhead,
                  TaskScratch<scalar_t, Acc>& w, scalar_t* out, int64_t Hq) {
   const int64_t D = b.D, P = b.P, Pp = b.Pp, T = b.T;
   Acc* qs = w.qs.data();
   for (int64_t r = 0; r < R; ++r) {
     const scalar_t* qr = q + tok[r] * q_strides[0] + qhead[r] * q_strides[1];
-    for (int64_t d = 0; d < D; ++d) qs[r * D + d] = to_float(qr[d]) * scale;
+    for (int64_t d = 0; d < D; ++d) qs[r * D + d] = to_float(qr[d]) * log2_scale;
   }
   // The tree keys any row of the task sees, gathered: transposed keys ku [D, nup] and value rows vu [nu, D].
   // The rows are token-major, so each distinct token's mask row is OR-ed in once.
@@ -190,11 +200,11 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc scale, HeadKey
 #pragma omp simd reduction(max : block_max)
       for (int64_t j = 0; j < width; ++j) block_max = sr[j] > block_max ? sr[j] : block_max;
       const Acc new_max = std::max(m[r], block_max);
-      const Acc correction = exp_nonpositive(m[r] - new_max);  // 0 for the first block (m = -inf)
+      const Acc correction = exp2_nonpositive(m[r] - new_max);  // 0 for the first block (m = -inf)
       Acc block_sum = 0;
 #pragma omp simd reduction(+ : block_sum)
       for (int64_t j = 0; j < width; ++j) {
-        sr[j] = exp_nonpositive(sr[j] - new_max);
+        sr[j] = exp2_nonpositive(sr[j] - new_max);
         block_sum += sr[j];
       }
       l[r] = l[r] * correction + block_sum;
@@ -245,6 +255,7 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
   // Tasks: each KV head's G*T query rows (token-major: the G heads of token t are adjacent) in blocks of kRows.
   const int64_t rows = G * T, blocks = (rows + kRows - 1) / kRows;
   const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
+  const Acc log2_scale = static_cast<Acc>(scale * 1.4426950408889634);  // scores in log2 units: softmax by 2^x
   const auto* qp = q.data_ptr<scalar_t>();
   auto* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
@@ -257,7 +268,7 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
         qhead[r] = h * G + (r0 + r) % G;
       }
       auto run = [&](auto rows_const) {
-        attend_rows<scalar_t, Acc, decltype(rows_const)::value>(qp, q_strides, static_cast<Acc>(scale), heads[h],
+        attend_rows<scalar_t, Acc, decltype(rows_const)::value>(qp, q_strides, log2_scale, heads[h],
                                                                 vp + h * v.stride(0), slot_stride, mask, tok, qhead,
                                                                 scratch, op, Hq);
       };
