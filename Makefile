@@ -13,7 +13,7 @@ MODEL       ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 CSRC        := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
 
-.PHONY: install model generate test test-fast bench-ar bench-kernels bench-step cuda-check clean
+.PHONY: install model chat generate test test-fast bench-ar bench-kernels bench-step cuda-check clean
 
 $(VENV)/.deps: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ install: $(VENV)/.built
 
 model: install
 	$(PY) -m weights_tools.fetch_default
+
+chat: model
+	$(PY) -m tr_engine.chat --model "$(MODEL)"
 
 generate: model
 	$(PY) -m tr_engine.generate --model "$(MODEL)" --prompt "$(PROMPT)"

@@ -2,6 +2,10 @@
 
 This is the oracle for losslessness (speculative decoding must emit exactly these tokens) and the baseline every
 speedup is measured against, so it is kept lean: one forward and one host sync per token.
+
+The decode loops are generators: they yield each step's committed tokens as soon as the step is done (streaming),
+and return the Generation. `run_to_end` drives one without streaming. Their `context_ids` are the whole sequence so
+far; the cache may already hold a prefix of it (a conversation's earlier turns), and only the rest is prefilled.
 """
 
 import time
@@ -19,7 +23,7 @@ class Generation:
 
     token_ids: list[int]
     finish_reason: str  # "eos" or "length"
-    prompt_tokens: int
+    prompt_tokens: int  # tokens prefilled by this call (the context minus what the cache already held)
     prefill_s: float
     decode_s: float
     steps: int  # forwards after the prefill
@@ -27,6 +31,7 @@ class Generation:
     phase_s: dict[str, float] = field(default_factory=dict)  # decode seconds by phase (speculative methods)
 
 
+@torch.inference_mode()
 def prefill(model: Llama, cache: KVCache, prompt_ids: list[int], all_logits: bool = False) -> torch.Tensor:
     """Run the prompt after what is already cached and commit it; return the last position's logits [V], or every
     position's [T, V] when `all_logits`."""
@@ -38,31 +43,58 @@ def prefill(model: Llama, cache: KVCache, prompt_ids: list[int], all_logits: boo
     return logits if all_logits else logits[0]
 
 
+def uncached(cache: KVCache, context_ids: list[int]) -> list[int]:
+    """The part of the context the cache does not hold yet (at least its last token, whose logits start decoding)."""
+    if not 0 <= cache.length < len(context_ids):
+        raise ValueError(f"the cache holds {cache.length} tokens of a {len(context_ids)}-token context")
+    return context_ids[cache.length :]
+
+
+def run_to_end(steps) -> Generation:
+    """Drive a decode generator to its end, dropping the streamed pieces; return its Generation."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 @torch.inference_mode()
-def greedy_generate(
-    model: Llama, cache: KVCache, prompt_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]
-) -> Generation:
-    """Append `prompt_ids` to the cache and decode greedily until an EOS id or `max_new_tokens` new tokens."""
-    cache.check_room(len(prompt_ids) + max_new_tokens, "the prompt plus --max-new-tokens")
+def decode_step(model: Llama, cache: KVCache, token: torch.Tensor) -> torch.Tensor:
+    """Feed one token (a tensor [], on the cache's device) and commit it; return the next greedy token (tensor [])."""
+    position = torch.tensor([cache.length], device=cache.data.device)
+    logits = model(token.view(1), position, cache.data, cache.length)  # [1, V]
+    cache.length += 1
+    return logits[0].argmax()
+
+
+def greedy_steps(model: Llama, cache: KVCache, context_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]):
+    """Prefill what the cache lacks of `context_ids`, then decode greedily until an EOS id or `max_new_tokens` new
+    tokens, yielding each token as a one-element list. Returns the Generation."""
+    new = uncached(cache, context_ids)
+    cache.check_room(len(new) + max_new_tokens, "the prompt plus --max-new-tokens")
     t0 = time.perf_counter()
-    logits = prefill(model, cache, prompt_ids)
+    token = prefill(model, cache, new).argmax()  # tensor [], stays on the device until the host needs it
     t1 = time.perf_counter()
-    device = cache.data.device
     out, finish = [], "length"
-    token = logits.argmax()  # tensor [], stays on the device until the host needs it
     for _ in range(max_new_tokens):
         tid = int(token)  # the step's one host sync
         out.append(tid)
+        yield [tid]
         if tid in eos_ids:
             finish = "eos"
             break
         if len(out) == max_new_tokens:
             break
-        position = torch.tensor([cache.length], device=device)
-        logits = model(token.view(1), position, cache.data, cache.length)  # [1, V]
-        cache.length += 1
-        token = logits[0].argmax()
+        token = decode_step(model, cache, token)
     t2 = time.perf_counter()
     # The last token is never fed back, so it is not in the cache: the next turn's prefill starts with it.
     steps = max(len(out) - 1, 0)
-    return Generation(out, finish, len(prompt_ids), t1 - t0, t2 - t1, steps, [1] * steps)
+    return Generation(out, finish, len(new), t1 - t0, t2 - t1, steps, [1] * steps)
+
+
+def greedy_generate(
+    model: Llama, cache: KVCache, context_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]
+) -> Generation:
+    """greedy_steps without streaming."""
+    return run_to_end(greedy_steps(model, cache, context_ids, max_new_tokens, eos_ids))

@@ -1,8 +1,10 @@
 """The Python API: load a model once, then generate. The command-line tools and the benchmarks go through it.
 
-    engine = Engine.from_pretrained("smollm2-135m-instruct", dtype="float32")
+    engine = Engine.from_pretrained("smollm2-135m-instruct", dtype="float32", method="tr")
     result = engine.generate("What is the capital of France?", max_new_tokens=64)
-    print(result.text, result.tokens_per_s)
+    print(result.text, result.tokens_per_s, result.mean_accepted)
+    for piece in engine.stream([{"role": "user", "content": "Tell me a joke."}]):
+        print(piece, end="", flush=True)
 """
 
 from dataclasses import dataclass
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tr_engine.decode import Generation, greedy_generate
+from tr_engine.decode import Generation, greedy_steps, run_to_end
 from tr_engine.drafters import PromptLookup, TokenRecycling
 from tr_engine.errors import UserError
 from tr_engine.kv_cache import KVCache
@@ -18,8 +20,8 @@ from tr_engine.matrix import RecyclingMatrix
 from tr_engine.model import Llama
 from tr_engine.models import resolve_model
 from tr_engine.ops import load_ops
-from tr_engine.speculative import speculative_generate
-from tr_engine.tokenizer import Tokenizer, load_tokenizer
+from tr_engine.speculative import speculative_steps
+from tr_engine.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 from tr_engine.tree import load_tree
 from tr_engine.weights import load_model, parse_dtype
 
@@ -69,11 +71,13 @@ class GenerateResult:
 
 class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, ops: str = "kernels",
-                 tree: str = "2.2.2", topk: int = 8):
+                 tree: str = "2.2.2", topk: int = 8, method: str = "tr"):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
+        self.method = check_method(method)  # the default decode method of generate/stream
         self.ops = load_ops(ops)
         w = model.lm_head.weight
         self.cache = KVCache(model.config, max_context, w.dtype, w.device)
+        self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, for reuse across a conversation
         model.set_max_positions(max_context)
         # Token Recycling's state: one matrix for the engine's lifetime (hot start across calls).
         self.matrix = RecyclingMatrix(model.config.vocab_size, topk, w.device, self.ops.recycle_update_)
@@ -95,6 +99,7 @@ class Engine:
         threads: int | None = None,
         tree: str = "2.2.2",
         topk: int = 8,
+        method: str = "tr",
     ) -> "Engine":
         if threads:
             torch.set_num_threads(threads)
@@ -106,7 +111,7 @@ class Engine:
         if max_context is not None and not 1 <= max_context <= limit:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
-        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops, tree, topk)
+        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops, tree, topk, method)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages."""
@@ -131,26 +136,76 @@ class Engine:
                             "pass the matching --topk or use another --matrix file")
         self.matrix.table.copy_(loaded.table)
 
-    @torch.inference_mode()
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
-                 method: str = "tr", seed_from_prompt: bool = False) -> GenerateResult:
-        """Answer one prompt from an empty cache: `method` "ar" (plain greedy), "tr" (Token Recycling) or "pld"
-        (prompt lookup); all three emit the same tokens. The recycling matrix persists across calls."""
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if method not in METHODS:
-            raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+                 method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False) -> GenerateResult:
+        """Answer a prompt (a string, or a conversation as messages): `method` "ar" (plain greedy), "tr" (Token
+        Recycling) or "pld" (prompt lookup), default the engine's; all three emit the same tokens. The recycling matrix persists across
+        calls. With `reuse_cache`, the part of the prompt the cache already holds (the earlier turns of a
+        conversation, with their answers) is not computed again; otherwise every call starts from an empty cache."""
+        return run_to_end(self.stream(prompt, max_new_tokens, chat_template, method, seed_from_prompt, reuse_cache))
+
+    def stream(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
+               method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False):
+        """Like generate, yielding the answer's text as it is accepted (whole characters only); returns the
+        GenerateResult (`result = yield from engine.stream(…)`, or StopIteration.value)."""
         ids = self.prompt_ids(prompt, chat_template)
-        self.cache.reset()
+        decoder = StreamDecoder(self.tokenizer, ids)
         eos = self.tokenizer.eos_ids
-        if method == "ar":
-            gen = greedy_generate(self.model, self.cache, ids, max_new_tokens, eos)
-        else:
-            seed = self.matrix.seed_ if seed_from_prompt and method == "tr" else None
-            gen = speculative_generate(self.model, self.cache, ids, self.drafters[method], max_new_tokens, eos,
-                                       self.ops.compact_kv_, seed)
+        steps = self.decode_steps(ids, max_new_tokens, method, seed_from_prompt, reuse_cache)
+        while True:
+            try:
+                committed = next(steps)
+            except StopIteration as done:
+                gen = done.value
+                break
+            piece = decoder.push([t for t in committed if t not in eos])
+            if piece:
+                yield piece
+        tail = decoder.flush()
+        if tail:
+            yield tail
         text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
         return GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, ids, gen)
+
+    def decode_steps(self, ids: list[int], max_new_tokens: int, method: str | None = None,
+                     seed_from_prompt: bool = False, reuse_cache: bool = False):
+        """The decode loop for prompt token ids: yields each step's committed ids, returns the Generation."""
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        method = check_method(method or self.method)
+        keep = shared_prefix(self.cached_ids, ids) if reuse_cache else 0
+        self.cache.length = min(keep, len(ids) - 1)  # the last prompt token is always run: its logits start decoding
+        self.cached_ids = []  # unknown until the loop finishes (an interrupted loop leaves nothing to reuse)
+        eos = self.tokenizer.eos_ids
+        if method == "ar":
+            gen = yield from greedy_steps(self.model, self.cache, ids, max_new_tokens, eos)
+        else:
+            seed = self.matrix.seed_ if seed_from_prompt and method == "tr" else None
+            gen = yield from speculative_steps(self.model, self.cache, ids, self.drafters[method], max_new_tokens,
+                                               eos, self.ops.compact_kv_, seed)
+        self.cached_ids = (ids + gen.token_ids)[: self.cache.length]
+        return gen
+
+    def reset_cache(self) -> None:
+        """Forget the cached conversation (the next call prefills its whole prompt)."""
+        self.cache.reset()
+        self.cached_ids = []
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    return method
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _check_device(device) -> torch.device:

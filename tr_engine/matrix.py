@@ -7,6 +7,8 @@ vocabulary.
 
 from pathlib import Path
 
+import os
+
 import torch
 
 from tr_engine import reference
@@ -46,7 +48,12 @@ class RecyclingMatrix:
         self.recycle_(torch.tensor(prompt_ids, device=self.table.device), logits)
 
     def save(self, path: str | Path, fingerprint: str) -> None:
-        torch.save({"table": self.table.cpu(), "vocab_size": self.table.shape[0], "fingerprint": fingerprint}, path)
+        """Write atomically (a temporary file, then a rename), so an interrupted save leaves the old file intact."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"table": self.table.cpu(), "vocab_size": self.table.shape[0], "fingerprint": fingerprint}, tmp)
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int, fingerprint: str, device="cpu") -> "RecyclingMatrix":

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from tr_engine.decode import Generation, prefill
+from tr_engine.decode import Generation, prefill, run_to_end, uncached
 from tr_engine.drafters import Draft
 from tr_engine.kv_cache import KVCache
 from tr_engine.model import Llama
@@ -49,49 +49,52 @@ def compact(cache: KVCache, path: list[int], compact_kv_) -> None:
     cache.length = L + 1 + len(path)
 
 
-@torch.inference_mode()
-def speculative_generate(
+def speculative_steps(
     model: Llama,
     cache: KVCache,
-    prompt_ids: list[int],
+    context_ids: list[int],
     drafter,
     max_new_tokens: int,
     eos_ids: tuple[int, ...],
     compact_kv_,
     seed_matrix=None,
-) -> Generation:
-    """Like greedy_generate, committing 1..depth+1 tokens per forward. `seed_matrix(prompt_ids, logits)`, if given,
-    receives the prefill's logits at every prompt position (Token Recycling's optional prompt seeding)."""
+):
+    """Like greedy_steps, committing 1..depth+1 tokens per forward and yielding each step's committed tokens.
+    `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every prefilled position (Token Recycling's
+    optional prompt seeding). Returns the Generation."""
+    new = uncached(cache, context_ids)
     # A verify step writes up to max_step_tokens slots past the committed ones before compaction.
-    cache.check_room(len(prompt_ids) + max_new_tokens + drafter.max_step_tokens,
+    cache.check_room(len(new) + max_new_tokens + drafter.max_step_tokens,
                      f"the prompt plus --max-new-tokens plus a {drafter.max_step_tokens}-token draft")
     t0 = time.perf_counter()
     if seed_matrix is not None:
-        logits_all = prefill(model, cache, prompt_ids, all_logits=True)  # [T, V]
-        seed_matrix(prompt_ids, logits_all)
+        logits_all = prefill(model, cache, new, all_logits=True)  # [T, V]
+        seed_matrix(new, logits_all)
         first = logits_all[-1]
     else:
-        first = prefill(model, cache, prompt_ids)
+        first = prefill(model, cache, new)
     t1 = time.perf_counter()
     out = [int(first.argmax())]
-    history = list(prompt_ids) + out
+    yield list(out)
+    history = list(context_ids) + out
     accept_lengths = []
     # Seconds per phase. On a GPU these host clocks only see launches, except accept's sync, which absorbs the wait.
     phase_s = dict.fromkeys(("retrieve", "verify", "accept", "compact", "recycle"), 0.0)
     clock = time.perf_counter
     finished = out[0] in eos_ids or max_new_tokens == 1
     while not finished:
-        ta = clock()
-        draft = drafter.propose(history)  # retrieve
-        tb = clock()
-        logits = verify(model, cache, draft)  # verify
-        tc = clock()
-        path, committed = accept(draft, logits)  # accept
-        td = clock()
-        compact(cache, path, compact_kv_)
-        te = clock()
-        drafter.observe(draft, logits)  # recycle
-        tf = clock()
+        with torch.inference_mode():
+            ta = clock()
+            draft = drafter.propose(history)  # retrieve
+            tb = clock()
+            logits = verify(model, cache, draft)  # verify
+            tc = clock()
+            path, committed = accept(draft, logits)  # accept
+            td = clock()
+            compact(cache, path, compact_kv_)
+            te = clock()
+            drafter.observe(draft, logits)  # recycle
+            tf = clock()
         for name, dt in zip(phase_s, (tb - ta, tc - tb, td - tc, te - td, tf - te)):
             phase_s[name] += dt
         # Exact stopping: nothing after an EOS, never more than max_new_tokens.
@@ -102,7 +105,18 @@ def speculative_generate(
         out += committed
         history += committed
         accept_lengths.append(len(committed))
+        yield committed
         finished = eos_at is not None or len(out) >= max_new_tokens
     t2 = time.perf_counter()
+    # A step may have cached accepted tokens past an EOS or max_new_tokens; the cache keeps only the sequence,
+    # every committed token but the last (the invariant above).
+    cache.length = min(cache.length, len(context_ids) + len(out) - 1)
     finish = "eos" if out[-1] in eos_ids else "length"
-    return Generation(out, finish, len(prompt_ids), t1 - t0, t2 - t1, len(accept_lengths), accept_lengths, phase_s)
+    return Generation(out, finish, len(new), t1 - t0, t2 - t1, len(accept_lengths), accept_lengths, phase_s)
+
+
+def speculative_generate(model, cache, context_ids, drafter, max_new_tokens, eos_ids, compact_kv_,
+                         seed_matrix=None) -> Generation:
+    """speculative_steps without streaming."""
+    return run_to_end(speculative_steps(model, cache, context_ids, drafter, max_new_tokens, eos_ids, compact_kv_,
+                                        seed_matrix))

@@ -1,0 +1,229 @@
+"""The chat: the real CLI in a subprocess (piped turns, a pseudo-terminal with Ctrl-C, /stats, the matrix saved on
+exit and loaded at start, one-line errors), and the conversation API under it (KV reuse, equality with generate)."""
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tr_engine.chat import Session
+from tr_engine.engine import Engine
+
+
+def run_chat(*args, stdin="", env=None):
+    return subprocess.run([sys.executable, "-m", "tr_engine.chat", *args], input=stdin, capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+class Sink:
+    def __init__(self):
+        self.parts = []
+
+    def write(self, s):
+        self.parts.append(s)
+
+    def flush(self):
+        pass
+
+
+# --- the conversation API ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_engine(tiny_factory):
+    return Engine.from_pretrained(str(tiny_factory("chat", dtype=torch.float64, vocab_size=300)), dtype="float64")
+
+
+def second_turn_reuse(engine, method):
+    """Two turns; returns (tokens cached after the first, the second's prompt ids, tokens the second prefilled)."""
+    session = Session(engine, method, max_new_tokens=12, system=None, seed_from_prompt=False)
+    session.ask("What is the capital of France?", Sink())
+    first = session.results[-1]
+    cached = list(engine.cached_ids)
+    assert cached == (first.prompt_ids + first.token_ids)[: len(cached)]  # the cache holds the conversation so far
+    assert len(cached) == len(first.prompt_ids) + len(first.token_ids) - 1  # all but the last answer token
+    session.ask("And of Italy?", Sink())
+    second = session.results[-1]
+    return cached, second.prompt_ids, second.generation.prompt_tokens
+
+
+@pytest.mark.parametrize("method", ["ar", "tr", "pld"])
+def test_second_turn_prefills_only_what_the_cache_lacks(tiny_engine, method):
+    """A random tiny model's answers need not re-tokenize to the same ids, so the reuse is the shared prefix."""
+    cached, ids, prefilled = second_turn_reuse(tiny_engine, method)
+    shared = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
+    assert prefilled == len(ids) - shared
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ar", "tr"])
+def test_second_turn_prefills_exactly_the_new_turn_on_the_default_model(smollm2, method):
+    cached, ids, prefilled = second_turn_reuse(smollm2, method)
+    assert ids[: len(cached)] == cached  # the new prompt extends what is cached: nothing is recomputed
+    assert prefilled == len(ids) - len(cached)  # the answer's last token, then the new turn's template and text
+
+
+@pytest.mark.parametrize("method", ["ar", "tr", "pld"])
+def test_chat_answers_equal_generate_on_the_same_conversation(tiny_engine, tiny_factory, method):
+    session = Session(tiny_engine, method, max_new_tokens=12, system="be brief", seed_from_prompt=False)
+    for text in ("hello there", "and again", "one more"):
+        session.ask(text, Sink())
+    fresh = Engine.from_pretrained(str(tiny_factory("chat", dtype=torch.float64, vocab_size=300)), dtype="float64")
+    history = session.messages[:-1]  # everything before the last answer
+    want = fresh.generate(history, max_new_tokens=12, method=method)
+    assert session.results[-1].token_ids == want.token_ids
+    assert session.messages[-1]["content"] == want.text
+
+
+def test_interrupted_answer_is_kept_and_the_next_turn_works(tiny_engine):
+    session = Session(tiny_engine, "tr", max_new_tokens=50, system=None, seed_from_prompt=False)
+
+    class Interrupting(Sink):
+        def write(self, s):
+            super().write(s)
+            if len(self.parts) == 2:
+                raise KeyboardInterrupt
+
+    sink = Interrupting()
+    with pytest.raises(KeyboardInterrupt):
+        session.ask("hello there", sink)
+    assert session.messages[-1] == {"role": "assistant", "content": "".join(sink.parts[:2])}
+    assert tiny_engine.cached_ids == []  # nothing of an interrupted step is trusted
+    session.ask("and again", Sink())  # a full prefill of the conversation, then a normal answer
+    assert session.results[-1].generation.prompt_tokens == len(session.results[-1].prompt_ids)
+
+
+# --- the command line -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_piped_two_turn_conversation_remembers_the_first_turn():
+    proc = run_chat("--max-new-tokens", "30", "--no-persist", stdin="I live in Paris.\nWhich city do I live in?\n")
+    assert proc.returncode == 0, proc.stderr
+    answers = proc.stdout.strip().split("\n")
+    assert len(answers) == 2, proc.stdout
+    assert "Paris" in answers[1]
+    assert len(re.findall(r"^\[\d+ tokens, .* tok/s, MAT ", proc.stderr, re.M)) == 2, proc.stderr  # stats: stderr
+    alone = run_chat("--max-new-tokens", "30", "--no-persist", stdin="Which city do I live in?\n")
+    assert "Paris" not in alone.stdout  # the second answer came from the conversation, not the question alone
+
+
+@pytest.mark.slow
+def test_stats_command():
+    proc = run_chat("--max-new-tokens", "24", "--no-persist", "--quiet", stdin="Say hello.\n/stats\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() and "/stats" not in proc.stdout  # only the answer on stdout
+    for needle in ("last answer: 1 answer(s)", "session: 1 answer(s)", "MAT", "accepted per step:", "verify",
+                   "recycle"):
+        assert needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_matrix_is_saved_on_exit_and_loaded_at_start(tmp_path, smollm2_dir):
+    env = {**os.environ, "TR_ENGINE_HOME": str(tmp_path)}
+    prompt = "Explain in two sentences how rain forms."
+
+    def mat():
+        proc = run_chat("--model", str(smollm2_dir), "--prompt", prompt, "--max-new-tokens", "48", env=env)
+        assert proc.returncode == 0, proc.stderr
+        return float(re.search(r"MAT (\d+\.\d+)", proc.stderr).group(1))
+
+    cold = mat()
+    saved = list((tmp_path / "matrices").glob(f"{smollm2_dir.name}-*-k8.pt"))
+    assert len(saved) == 1
+    hot = mat()  # the same prompt, with the matrix the first session saved
+    assert hot > cold + 0.3, (cold, hot)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_answer_and_the_session_goes_on():
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat, with the pseudo-terminal as its terminal
+        os.execvp(sys.executable, [sys.executable, "-m", "tr_engine.chat", "--method", "ar", "--no-persist",
+                                   "--max-new-tokens", "400"])
+    seen = ""
+
+    def read_until(pattern, timeout=120):
+        nonlocal seen
+        start = len(seen)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if re.search(pattern, seen[start:]):
+                return seen[start:]
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                try:
+                    seen += os.read(fd, 4096).decode(errors="replace")
+                except OSError:
+                    break
+        raise AssertionError(f"{pattern!r} not seen; the terminal showed:\n{seen}")
+
+    try:
+        read_until(r">>> ")
+        os.write(fd, b"Write a long story about a dragon who learns to bake bread.\n")
+        read_until(r"bake bread\.\r?\n.{40,}")  # the echo, then 40 characters of the answer
+        os.write(fd, b"\x03")  # Ctrl-C
+        read_until(r"\[interrupted; the answer so far stays in the conversation\][\s\S]*>>> ")
+        os.write(fd, b"What did I ask you to write about?\n")
+        answer = read_until(r"\[\d+ tokens, .* tok/s, ar, prefill \d+ tokens[^\]]*\][\s\S]*>>> ")
+        assert "dragon" in answer.lower()  # the interrupted turn is part of the conversation
+        os.write(fd, b"/stats\n")
+        read_until(r"last answer: 1 answer\(s\)[\s\S]*>>> ")
+        os.write(fd, b"/quit\n")
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, seen
+    finally:
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
+
+
+def test_unknown_model_name():
+    assert_one_line_error(run_chat("--model", "no-such-model", "--prompt", "hi"), "unknown model", "vicuna-7b")
+
+
+def test_missing_model_folder(tmp_path):
+    assert_one_line_error(run_chat("--model", str(tmp_path / "missing"), "--prompt", "hi"), "does not exist")
+
+
+def test_folder_without_weights(tiny_factory, tmp_path):
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    for f in tiny_factory("chat-noweights").iterdir():
+        if not f.name.endswith(".safetensors") and not f.name.endswith(".json.index"):
+            (folder / f.name).write_bytes(f.read_bytes())
+    assert_one_line_error(run_chat("--model", str(folder), "--prompt", "hi"), "no model.safetensors")
+
+
+def test_corrupt_matrix_file_is_refused_and_left_alone(tiny_factory, tmp_path):
+    bad = tmp_path / "matrix.pt"
+    bad.write_bytes(b"not a matrix")
+    proc = run_chat("--model", str(tiny_factory("chat-matrix")), "--matrix", str(bad), "--prompt", "hi")
+    assert_one_line_error(proc, "is not a recycling matrix file", "delete it")
+    assert bad.read_bytes() == b"not a matrix"
+
+
+def test_prompt_answers_once(tiny_factory, tmp_path):
+    matrix = tmp_path / "m.pt"
+    proc = run_chat("--model", str(tiny_factory("chat-once")), "--prompt", "hi", "--max-new-tokens", "8",
+                    "--matrix", str(matrix))
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) >= 1 and matrix.is_file()

@@ -1,0 +1,254 @@
+"""The chat: `python -m tr_engine.chat [--model vicuna-7b]`.
+
+Streams each answer as its tokens are accepted, keeps the conversation in the model's chat template, reuses the KV
+cache across turns (a new turn prefills only its own tokens), and keeps the recycling matrix across turns and
+sessions (saved per model on exit, loaded at start). At a terminal: /reset /stats /method /help /quit, Ctrl-C stops
+an answer and keeps the conversation, Ctrl-D quits. With stdin not a terminal, each line is a turn and only the
+answers go to stdout (statistics to stderr). User errors print one line and exit with status 2.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from tr_engine.errors import UserError
+from tr_engine.models import DEFAULT_MODEL, home
+
+HELP = """commands:
+  /reset          start a new conversation (the recycling matrix is kept)
+  /stats          MAT, tokens/s, accepted-length histogram and time per phase: last answer and session
+  /method M       decode with M: tr (Token Recycling), pld (prompt lookup) or ar (plain greedy); same tokens
+  /help           this list
+  /quit           save the matrix and exit (Ctrl-D too)
+Ctrl-C stops the current answer; what it had said stays in the conversation."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tr_engine.chat", description="Chat with a model, Token Recycling on.")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"model folder or known name (default {DEFAULT_MODEL})")
+    ap.add_argument("--model-dir", default=None, help="folder that holds known models by name (searched first)")
+    ap.add_argument("--prompt", default=None, help="answer this one message and exit")
+    ap.add_argument("--system", default=None, help="a system message to start the conversation with")
+    ap.add_argument("--method", default="tr", choices=["tr", "pld", "ar"],
+                    help="tr: Token Recycling (default); pld: prompt lookup; ar: plain greedy. Same output tokens")
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="longest answer, in tokens (default 512)")
+    ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+    ap.add_argument("--max-context", type=int, default=None, help="KV-cache capacity in tokens (the conversation's)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+    ap.add_argument("--ops", default="kernels", choices=["kernels", "reference"], help="compiled ops or their references")
+    ap.add_argument("--tree", default="2.2.2", help="draft tree: 2.2.2 (the paper's) or a JSON file of rank paths")
+    ap.add_argument("--topk", type=int, default=8, help="candidates kept per token in the recycling matrix")
+    ap.add_argument("--seed-from-prompt", action="store_true", help="seed the matrix from each turn's prefill")
+    ap.add_argument("--matrix", default=None, help="recycling matrix file (default: one per model in the cache)")
+    ap.add_argument("--no-persist", action="store_true", help="neither load nor save the recycling matrix")
+    ap.add_argument("--quiet", action="store_true", help="no status line after each answer")
+    return ap
+
+
+class Session:
+    """One conversation: its messages, the decode method, and the statistics of every answer."""
+
+    def __init__(self, engine, method: str, max_new_tokens: int, system: str | None, seed_from_prompt: bool):
+        self.engine, self.method, self.max_new_tokens = engine, method, max_new_tokens
+        self.system, self.seed_from_prompt = system, seed_from_prompt
+        self.results = []  # GenerateResult of each finished answer, this session
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.engine.reset_cache()
+
+    def ask(self, text: str, out) -> None:
+        """Stream the answer to `text` into `out`; the conversation keeps it, interrupted (Ctrl-C) or not."""
+        self.messages.append({"role": "user", "content": text})
+        pieces = []
+        stream = self.engine.stream(self.messages, self.max_new_tokens, method=self.method,
+                                    seed_from_prompt=self.seed_from_prompt, reuse_cache=True)
+        try:
+            pieces.append(next(stream))  # the prompt is checked here (context room): a refused turn is not kept
+        except StopIteration as done:
+            self.results.append(done.value)
+            self.messages.append({"role": "assistant", "content": ""})
+            return
+        except UserError:
+            self.messages.pop()
+            raise
+        out.write(pieces[0])
+        out.flush()
+        try:
+            while True:
+                try:
+                    piece = next(stream)
+                except StopIteration as done:
+                    self.results.append(done.value)
+                    break
+                pieces.append(piece)
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:
+            stream.close()
+            out.write("\n")
+            out.flush()
+            print("[interrupted; the answer so far stays in the conversation]", file=sys.stderr, flush=True)
+            raise
+        finally:
+            self.messages.append({"role": "assistant", "content": "".join(pieces)})
+
+    def status_line(self) -> str:
+        r = self.results[-1]
+        g = r.generation
+        mat = f", MAT {r.mean_accepted:.2f}" if self.method != "ar" else ""
+        return (f"[{len(g.token_ids)} tokens, {r.tokens_per_s:.1f} tok/s{mat}, {self.method}, "
+                f"prefill {g.prompt_tokens} tokens in {g.prefill_s:.2f}s]")
+
+    def stats(self) -> str:
+        if not self.results:
+            return "no answers yet"
+        return "\n".join([describe("last answer", self.results[-1:]), describe("session", self.results)])
+
+
+def describe(title: str, results) -> str:
+    """MAT, tokens/s, accepted-length histogram and seconds per phase over some answers."""
+    gens = [r.generation for r in results]
+    tokens = sum(len(g.token_ids) for g in gens)
+    seconds = sum(g.prefill_s + g.decode_s for g in gens)
+    lengths = [a for g in gens for a in g.accept_lengths]
+    histogram = {}
+    for a in lengths:
+        histogram[a] = histogram.get(a, 0) + 1
+    phases = {}
+    for g in gens:
+        for name, s in g.phase_s.items():
+            phases[name] = phases.get(name, 0.0) + s
+    lines = [f"{title}: {len(gens)} answer(s), {tokens} tokens in {seconds:.2f}s = "
+             f"{tokens / seconds if seconds else 0.0:.1f} tok/s; "
+             f"MAT {sum(lengths) / len(lengths) if lengths else 0.0:.2f} over {len(lengths)} steps",
+             "  accepted per step: " + (" ".join(f"{k}:{v}" for k, v in sorted(histogram.items())) or "-"),
+             f"  prefill {sum(g.prefill_s for g in gens):.3f}s, decode {sum(g.decode_s for g in gens):.3f}s"
+             + "".join(f", {name} {s:.3f}s" for name, s in phases.items())]
+    return "\n".join(lines)
+
+
+def matrix_path(args, engine) -> Path:
+    if args.matrix:
+        return Path(args.matrix)
+    name = f"{engine.folder.name}-{engine.tokenizer.fingerprint()[:12]}-k{args.topk}.pt"
+    return home() / "matrices" / name
+
+
+def command(session: Session, line: str) -> bool:
+    """Run a /command; False means quit."""
+    word, _, arg = line.partition(" ")
+    if word == "/quit":
+        return False
+    if word == "/reset":
+        session.reset()
+        print("[new conversation]", file=sys.stderr)
+    elif word == "/stats":
+        print(session.stats(), file=sys.stderr)
+    elif word == "/method":
+        if arg.strip() not in ("tr", "pld", "ar"):
+            print("usage: /method tr|pld|ar", file=sys.stderr)
+        else:
+            session.method = arg.strip()
+            print(f"[method {session.method}]", file=sys.stderr)
+    elif word == "/help":
+        print(HELP, file=sys.stderr)
+    else:
+        print(f"unknown command {word}; /help lists them", file=sys.stderr)
+    return True
+
+
+def turn(session: Session, text: str, quiet: bool) -> None:
+    session.ask(text, sys.stdout)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if not quiet:
+        print(session.status_line(), file=sys.stderr, flush=True)
+
+
+def try_turn(session: Session, text: str, quiet: bool) -> bool:
+    """A turn whose user error (say, a conversation grown past the context) is reported without ending the chat."""
+    try:
+        turn(session, text, quiet)
+        return True
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return False
+
+
+def interactive(session: Session, quiet: bool) -> None:
+    print(f"tr-engine chat: {session.engine.folder.name}, method {session.method}. /help for commands, "
+          "Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        except KeyboardInterrupt:
+            print("\n(Ctrl-D or /quit to exit)", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not command(session, line):
+                return
+            continue
+        try:
+            try_turn(session, line, quiet)
+        except KeyboardInterrupt:
+            continue
+
+
+def piped(session: Session, lines, quiet: bool) -> bool:
+    """Each line a turn or a command; False if a turn failed (it is reported and the rest still run)."""
+    ok = True
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not command(session, line):
+                break
+            continue
+        ok = try_turn(session, line, quiet) and ok
+    return ok
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from tr_engine.engine import Engine
+
+    engine = save_to = None
+    status = 0
+    try:
+        engine = Engine.from_pretrained(args.model, args.device, args.dtype, args.max_context, args.model_dir,
+                                        args.ops, args.threads, args.tree, args.topk, args.method)
+        if not args.no_persist:
+            path = matrix_path(args, engine)
+            if path.is_file():
+                engine.load_matrix(path)  # a corrupt file stops here, and is left as it is
+            save_to = path
+        session = Session(engine, args.method, args.max_new_tokens, args.system, args.seed_from_prompt)
+        if args.prompt is not None:
+            turn(session, args.prompt, args.quiet)
+        elif sys.stdin.isatty():
+            interactive(session, args.quiet)
+        elif not piped(session, sys.stdin, args.quiet):
+            status = 2
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        status = 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        status = 130
+    finally:
+        if save_to is not None:
+            engine.save_matrix(save_to)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
