@@ -112,12 +112,16 @@ def test_interrupted_answer_is_kept_and_the_next_turn_works(tiny_engine):
 
 
 @pytest.mark.slow
-def test_piped_two_turn_conversation_remembers_the_first_turn():
+def test_piped_two_turn_conversation_remembers_the_first_turn(smollm2):
     proc = run_chat("--max-new-tokens", "30", "--no-persist", stdin="I live in Paris.\nWhich city do I live in?\n")
     assert proc.returncode == 0, proc.stderr
     answers = proc.stdout.strip().split("\n")
     assert len(answers) == 2, proc.stdout
     assert "Paris" in answers[1]
+    # The chat's answer is Engine.generate's on the same conversation (fresh cache, same greedy tokens).
+    conversation = [{"role": "user", "content": "I live in Paris."}, {"role": "assistant", "content": answers[0]},
+                    {"role": "user", "content": "Which city do I live in?"}]
+    assert smollm2.generate(conversation, max_new_tokens=30, method="tr").text == answers[1]
     assert len(re.findall(r"^\[\d+ tokens, .* tok/s, MAT ", proc.stderr, re.M)) == 2, proc.stderr  # stats: stderr
     alone = run_chat("--max-new-tokens", "30", "--no-persist", stdin="Which city do I live in?\n")
     assert "Paris" not in alone.stdout  # the second answer came from the conversation, not the question alone
