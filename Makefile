@@ -11,7 +11,7 @@ TORCH_SPEC  ?= torch==2.13.0
 PROMPT      ?= What is the capital of France?
 MODEL       ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
-CSRC        := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
+CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
 
 .PHONY: install model chat generate test test-fast bench-ar bench-kernels bench-step cuda-check clean
 

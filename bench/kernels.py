@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from bench.machine import machine_info, machine_line
 from tr_engine import reference
 from tr_engine.ops import load_ops
-from tr_engine.tree import load_tree
+from tr_engine.tree import ancestor_mask, load_tree
 
 V, E, L, HQ, HKV, D, K = 49152, 576, 30, 9, 3, 64, 8  # SmolLM2-135M
 TREE_TOKENS = (1, 16, 32, 64, 81, 128)
@@ -29,16 +29,7 @@ def tree_mask(T: int) -> torch.Tensor:
     node (a plausible draft tree of that size). bool [T, T]."""
     if T == load_tree("2.2.2").size:
         return load_tree("2.2.2").mask
-    parent = [0] + [(i - 1) // 4 for i in range(1, T)]
-    mask = torch.zeros(T, T, dtype=torch.bool)
-    for i in range(T):
-        j = i
-        while True:
-            mask[i, j] = True
-            if j == 0:
-                break
-            j = parent[j]
-    return mask
+    return ancestor_mask([0] + [(i - 1) // 4 for i in range(1, T)])
 
 
 def attention_cases(ops):

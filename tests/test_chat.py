@@ -5,29 +5,19 @@ import os
 import pty
 import re
 import select
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from cli import assert_one_line_error, run_module
 
 from tr_engine.chat import Session
 from tr_engine.engine import Engine
 
 
 def run_chat(*args, stdin="", env=None):
-    return subprocess.run([sys.executable, "-m", "tr_engine.chat", *args], input=stdin, capture_output=True,
-                          text=True, timeout=600, env=env)
-
-
-def assert_one_line_error(proc, *needles):
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
+    return run_module("tr_engine.chat", *args, stdin=stdin, env=env)
 
 
 class Sink:

@@ -1,28 +1,17 @@
 """Greedy generation through the API and the one-shot command, and the command's one-line errors."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli import assert_one_line_error, run_module
 
 from tr_engine.engine import Engine
 from tr_engine.errors import ContextOverflow, UserError
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tr_engine.generate", *args], capture_output=True, text=True,
-                          timeout=300)
-
-
-def assert_one_line_error(proc, *needles):
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
+    return run_module("tr_engine.generate", *args)
 
 
 def test_missing_model_folder(tmp_path):
@@ -34,9 +23,8 @@ def test_unknown_model_name():
 
 
 def test_known_model_not_present_says_how_to_get_it(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tr_engine.generate", "--model", "vicuna-7b", "--prompt", "hi"],
-                          capture_output=True, text=True, env={"TR_ENGINE_HOME": str(tmp_path), "HOME": str(tmp_path),
-                                                               "PATH": "/usr/bin:/bin"})
+    proc = run_module("tr_engine.generate", "--model", "vicuna-7b", "--prompt", "hi",
+                      env={"TR_ENGINE_HOME": str(tmp_path), "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert_one_line_error(proc, "lmsys/vicuna-7b-v1.3", "python -m weights_tools.bin_to_safetensors")
 
 

@@ -6,23 +6,14 @@ import torch
 
 from tr_engine import reference
 from tr_engine.ops import load_ops
-from tr_engine.tree import build_tree, load_tree
+from tr_engine.tree import ancestor_mask, build_tree, load_tree
 
 kernels = load_ops("kernels")
 
 
 def random_tree_mask(T: int, g: torch.Generator) -> torch.Tensor:
     """A random tree over T tokens in breadth-first-like order: token i's parent is some j < i."""
-    parent = [0] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
-    mask = torch.zeros(T, T, dtype=torch.bool)
-    for i in range(T):
-        j = i
-        while True:
-            mask[i, j] = True
-            if j == 0:
-                break
-            j = parent[j]
-    return mask
+    return ancestor_mask([0] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)])
 
 
 def operands(T, P, Hq, Hkv, D, dtype, seed=0, S=None):

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from tr_engine.errors import UserError
-from tr_engine.models import DEFAULT_MODEL, home
+from tr_engine.cli_args import add_engine_args, engine_from_args
+from tr_engine.models import home
 
 HELP = """commands:
   /reset          start a new conversation (the recycling matrix is kept)
@@ -25,21 +26,10 @@ Ctrl-C stops the current answer; what it had said stays in the conversation."""
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tr_engine.chat", description="Chat with a model, Token Recycling on.")
-    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"model folder or known name (default {DEFAULT_MODEL})")
-    ap.add_argument("--model-dir", default=None, help="folder that holds known models by name (searched first)")
+    add_engine_args(ap)
     ap.add_argument("--prompt", default=None, help="answer this one message and exit")
     ap.add_argument("--system", default=None, help="a system message to start the conversation with")
-    ap.add_argument("--method", default="tr", choices=["tr", "pld", "ar"],
-                    help="tr: Token Recycling (default); pld: prompt lookup; ar: plain greedy. Same output tokens")
     ap.add_argument("--max-new-tokens", type=int, default=512, help="longest answer, in tokens (default 512)")
-    ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
-    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
-    ap.add_argument("--max-context", type=int, default=None, help="KV-cache capacity in tokens (the conversation's)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
-    ap.add_argument("--ops", default="kernels", choices=["kernels", "reference"], help="compiled ops or their references")
-    ap.add_argument("--tree", default="2.2.2", help="draft tree: 2.2.2 (the paper's) or a JSON file of rank paths")
-    ap.add_argument("--topk", type=int, default=8, help="candidates kept per token in the recycling matrix")
-    ap.add_argument("--seed-from-prompt", action="store_true", help="seed the matrix from each turn's prefill")
     ap.add_argument("--matrix", default=None, help="recycling matrix file (default: one per model in the cache)")
     ap.add_argument("--no-persist", action="store_true", help="neither load nor save the recycling matrix")
     ap.add_argument("--quiet", action="store_true", help="no status line after each answer")
@@ -219,13 +209,10 @@ def piped(session: Session, lines, quiet: bool) -> bool:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from tr_engine.engine import Engine
-
     engine = save_to = None
     status = 0
     try:
-        engine = Engine.from_pretrained(args.model, args.device, args.dtype, args.max_context, args.model_dir,
-                                        args.ops, args.threads, args.tree, args.topk, args.method)
+        engine = engine_from_args(args)
         if not args.no_persist:
             path = matrix_path(args, engine)
             if path.is_file():

@@ -59,14 +59,7 @@ def build_tree(paths, k: int | None = None) -> DraftTree:
     parent = [0] + [index.get(p[:-1], 0) for p in paths]
     rank = [0] + [p[-1] for p in paths]
     depth = [0] + [len(p) for p in paths]
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    for i in range(n + 1):
-        j = i
-        while True:  # walk up to the root, marking every ancestor
-            mask[i, j] = True
-            if j == 0:
-                break
-            j = parent[j]
+    mask = ancestor_mask(parent)
     levels, children = [], [[] for _ in range(n + 1)]
     for i in range(1, n + 1):
         children[parent[i]].append(i)
@@ -77,6 +70,20 @@ def build_tree(paths, k: int | None = None) -> DraftTree:
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     return DraftTree(tuple(paths), as_long(parent), as_long(rank), as_long(depth), mask,
                      tuple(map(tuple, levels)), tuple(map(tuple, children)))
+
+
+def ancestor_mask(parent: list[int]) -> torch.Tensor:
+    """bool [n, n], True where token j is token i's ancestor or i itself; parent[i] < i, the root (0) its own."""
+    n = len(parent)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while True:  # walk up to the root, marking every ancestor
+            mask[i, j] = True
+            if j == 0:
+                break
+            j = parent[j]
+    return mask
 
 
 def chain_tree(length: int) -> DraftTree:

@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../tree_attention_checks.h"
+
 namespace tr_engine {
 cudaError_t launch_compact_kv(void* cache, const int64_t* src_slots, void* scratch, int64_t rows, int64_t n, int64_t S,
                               int64_t slot_bytes, int64_t dst_start, cudaStream_t stream);
@@ -59,27 +61,10 @@ void compact_kv_cuda_(at::Tensor& cache, const at::Tensor& src_slots, int64_t ds
 
 at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
                                const at::Tensor& tree_mask, double scale) {
-  TORCH_CHECK(q.dim() == 3, "tree_attention: q must be [T, Hq, D], got ", q.dim(), " dims");
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3, "tree_attention: k and v must be [Hkv, S, D]");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides(),
-              "tree_attention: k and v must have the same shape and strides, got ", k.sizes(), " and ", v.sizes());
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
-  TORCH_CHECK(k.size(2) == D, "tree_attention: q has head dim ", D, " but k has ", k.size(2));
+  tr_engine::check_tree_attention_args(q, k, v, prefix_len, tree_mask);
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0);
   TORCH_CHECK(D <= tr_engine::tree_attention_max_head_dim(), "tree_attention: head dim ", D, " exceeds the CUDA "
               "kernel's ", tr_engine::tree_attention_max_head_dim());
-  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "tree_attention: q's ", Hq, " heads are not a multiple of k's ", Hkv);
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "tree_attention: q, k and v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
-              v.scalar_type());
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "tree_attention: q, k and v need a contiguous last (head) dim");
-  TORCH_CHECK(q.device() == k.device() && k.device() == v.device() && tree_mask.device() == q.device(),
-              "tree_attention: q, k, v and tree_mask must be on one device");
-  TORCH_CHECK(prefix_len >= 0 && prefix_len + T <= S, "tree_attention: prefix_len ", prefix_len, " + T ", T,
-              " exceeds the cache's ", S, " slots");
-  TORCH_CHECK(tree_mask.dim() == 2 && tree_mask.size(0) == T && tree_mask.size(1) == T &&
-                  tree_mask.scalar_type() == at::kBool,
-              "tree_attention: tree_mask must be bool [T, T] = [", T, ", ", T, "], got ", tree_mask.scalar_type(), " ",
-              tree_mask.sizes());
   // A row that sees no key (prefix_len 0 and an all-False mask row) is not detected on the device (that would need a
   // host sync); the decode loop's masks always include the token itself.
   const int code = dtype_code(q, "tree_attention");
