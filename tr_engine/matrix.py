@@ -43,6 +43,10 @@ class RecyclingMatrix:
         several nodes takes the last node's, in breadth-first order."""
         self.update(self.table, tokens, logits)
 
+    def clear_(self) -> None:
+        """Back to the state of a new matrix (a cold start)."""
+        self.table.zero_()
+
     def seed_(self, prompt_ids: list[int], logits: torch.Tensor) -> None:
         """Seed from a prefill: each prompt token's row <- the top-k of the logits at its position."""
         self.recycle_(torch.tensor(prompt_ids, device=self.table.device), logits)

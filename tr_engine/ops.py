@@ -12,9 +12,11 @@ from tr_engine.errors import UserError
 
 OP_NAMES = ("compact_kv_", "skinny_linear", "recycle_update_", "tree_attention")
 KINDS = ("kernels", "reference")
-# skinny_linear accepts up to 16 rows (csrc/registration.cpp) but only wins for one: it redoes each dot product per
-# row, while MKL/oneDNN block over rows (bench/results/ar_decode.md; tr_engine measured 2.8x slower at 8 rows).
-SKINNY_ROWS = 1
+# skinny_linear accepts up to 16 rows (csrc/registration.cpp) but streams each weight row once per call and redoes the
+# dot product per row, so it wins only for a few rows: measured here (2 threads), in float32 up to 4 rows (LM head:
+# 3.4 vs 23 ms at 2 rows, where MKL's small-M path is slow) and in bfloat16/float16 for one row only, where
+# oneDNN's bf16 GEMM is fast (bench/results/kernels_cpu.md has the 1-row table).
+SKINNY_ROWS = {torch.float32: 4, torch.bfloat16: 1, torch.float16: 1}
 
 
 def load_ops(kind: str = "kernels") -> SimpleNamespace:
@@ -33,8 +35,8 @@ def load_ops(kind: str = "kernels") -> SimpleNamespace:
     skinny = ops["skinny_linear"]
 
     def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """F.linear, through skinny_linear for the one row of a CPU decode step (it streams w ~1.4x faster)."""
-        if x.shape[0] <= SKINNY_ROWS and x.device.type == "cpu" and x.dtype != torch.float64:
+        """F.linear, through skinny_linear for the few rows of a CPU decode step or small draft (SKINNY_ROWS)."""
+        if x.shape[0] <= SKINNY_ROWS.get(x.dtype, 0) and x.device.type == "cpu":
             return skinny(x, w)
         return F.linear(x, w)
 

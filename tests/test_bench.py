@@ -1,0 +1,35 @@
+"""The benchmark harness end to end on a tiny model: the files it writes and what they say."""
+
+import json
+
+import torch
+from cli import run_module
+
+
+def test_specbench_two_questions_two_methods(tiny_factory, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        json.dumps({"question_id": 1, "category": "writing", "turns": ["Write a line about the sea."]}) + "\n"
+        + json.dumps({"question_id": 2, "category": "qa", "turns": ["Who are you?", "And why?"]}) + "\n")
+    out = tmp_path / "out"
+    proc = run_module("bench.specbench", "--model", str(tiny_factory("bench", dtype=torch.float64)), "--dtype",
+                      "float64", "--questions", str(questions), "--methods", "tr", "--max-new-tokens", "8",
+                      "--warmup", "0", "--threads", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "question" in proc.stderr  # the progress bar
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    # question 1 has one turn, question 2 two; each turn ran ar and tr
+    assert [(r["question_id"], r["turn"], r["method"]) for r in records] == [
+        (1, 0, "ar"), (1, 0, "tr"), (2, 0, "ar"), (2, 0, "tr"), (2, 1, "ar"), (2, 1, "tr")]
+    for r in records:
+        assert r["identical"]  # float64: TR is exactly AR
+        assert r["group"] == {"writing": "conversation", "qa": "qa"}[r["category"]]
+        assert 1 <= r["new_tokens"] <= 8 and r["steps"] >= 0 and r["prefill_s"] > 0 and r["decode_s"] >= 0
+        assert sum(r["accept_lengths"]) == r["new_tokens"] - 1  # the first token comes from the prefill
+    summary = (out / "summary.md").read_text()
+    assert "| tr |" in summary and "| conversation | qa | all |" in summary.replace("method | ", "")
+    assert "DIFFERS" not in summary
+    machine = json.loads((out / "machine.json").read_text())
+    assert {"cpu", "cores", "threads", "torch", "commit"} <= set(machine)
+    for png in ("speedup.png", "accept_lengths.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
