@@ -45,7 +45,7 @@ test: model
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
-# A quick look (about ten minutes here): two questions per category group in bf16 with our methods and transformers'
+# A quick look (about 4 minutes here): two questions per category group in bf16 with our methods and transformers'
 # greedy generate, and the verify-cost curve at one prefix. The full runs: README, "Benchmarks".
 bench: model
 	$(PY) -m bench.specbench --dtype bfloat16 --per-group 2 --max-new-tokens 128 --methods ar tr pld hf-ar \
