@@ -221,3 +221,15 @@ def test_prompt_answers_once(tiny_factory, tmp_path):
                     "--matrix", str(matrix))
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.splitlines()) >= 1 and matrix.is_file()
+
+
+def test_a_refused_turn_is_reported_and_the_chat_goes_on(tiny_factory):
+    """A turn too long for the context is one error line; the conversation does not keep it; the next line is answered;
+    the exit status says a turn failed."""
+    long_line = "word " * 200
+    proc = run_chat("--model", str(tiny_factory("chat-overflow")), "--max-context", "128", "--max-new-tokens", "4",
+                    "--no-persist", "--quiet", "--method", "ar", stdin=f"{long_line}\nhi\n")
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "context" in errors[0] and "Traceback" not in proc.stderr
+    assert len(proc.stdout.splitlines()) == 1  # the second line's answer

@@ -158,14 +158,19 @@ def turn(session: Session, text: str, quiet: bool) -> None:
         print(session.status_line(), file=sys.stderr, flush=True)
 
 
-def try_turn(session: Session, text: str, quiet: bool) -> bool:
-    """A turn whose user error (say, a conversation grown past the context) is reported without ending the chat."""
+def handle(session: Session, line: str, quiet: bool) -> str:
+    """One input line, a /command or a turn: "quit", "ok", or "failed" (a user error, reported; the chat goes on)."""
+    line = line.strip()
+    if not line:
+        return "ok"
+    if line.startswith("/"):
+        return "ok" if command(session, line) else "quit"
     try:
-        turn(session, text, quiet)
-        return True
+        turn(session, line, quiet)
+        return "ok"
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return False
+        return "failed"
 
 
 def interactive(session: Session, quiet: bool) -> None:
@@ -173,22 +178,17 @@ def interactive(session: Session, quiet: bool) -> None:
           "Ctrl-D to quit.", file=sys.stderr)
     while True:
         try:
-            line = input(">>> ").strip()
+            line = input(">>> ")
         except EOFError:
             print(file=sys.stderr)
             return
         except KeyboardInterrupt:
             print("\n(Ctrl-D or /quit to exit)", file=sys.stderr)
             continue
-        if not line:
-            continue
-        if line.startswith("/"):
-            if not command(session, line):
-                return
-            continue
         try:
-            try_turn(session, line, quiet)
-        except KeyboardInterrupt:
+            if handle(session, line, quiet) == "quit":
+                return
+        except KeyboardInterrupt:  # the answer was stopped; Session.ask kept what it said
             continue
 
 
@@ -196,14 +196,10 @@ def piped(session: Session, lines, quiet: bool) -> bool:
     """Each line a turn or a command; False if a turn failed (it is reported and the rest still run)."""
     ok = True
     for line in lines:
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("/"):
-            if not command(session, line):
-                break
-            continue
-        ok = try_turn(session, line, quiet) and ok
+        result = handle(session, line, quiet)
+        if result == "quit":
+            break
+        ok = ok and result == "ok"
     return ok
 
 
