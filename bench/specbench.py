@@ -85,7 +85,7 @@ def fmt_mat(mat: float) -> str:
 def write_summary(out: Path, table: dict, records: list[dict], methods: list[str], args, info: dict) -> str:
     groups = [g for g in GROUP_ORDER + ["all"] if any((m, g) in table for m in methods)]
     lines = [
-        f"# Spec-Bench dev split: {', '.join(methods)} on {args.model} ({args.dtype})",
+        f"# {Path(str(args.questions)).stem}: {', '.join(methods)} on {args.model} ({args.dtype})",
         "",
         f"Every turn of {Path(str(args.questions)).name}, chat template, greedy, up to {args.max_new_tokens} new "
         f"tokens; `tr` hot (matrix kept across questions) after {args.warmup} warm-up questions, `tr-cold` from an "
