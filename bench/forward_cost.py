@@ -14,17 +14,11 @@ from pathlib import Path
 
 import torch
 
+from bench.kernels import tree_mask
 from bench.machine import machine_info, machine_line
 from tr_engine.engine import Engine
-from tr_engine.tree import ancestor_mask, load_tree
 
 TREE_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 81, 96, 128)
-
-
-def tree_mask(T: int) -> torch.Tensor:
-    if T == load_tree("2.2.2").size:
-        return load_tree("2.2.2").mask
-    return ancestor_mask([0] + [(i - 1) // 4 for i in range(1, T)])
 
 
 @torch.inference_mode()

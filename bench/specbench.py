@@ -14,7 +14,6 @@ machine.json and PNG plots under --out. `--questions humaneval` runs HumanEval's
 import argparse
 import json
 import sys
-import statistics
 import time
 from pathlib import Path
 
