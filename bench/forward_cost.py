@@ -1,55 +1,23 @@
 """The cost of one verify forward against the number of draft-tree tokens and the prefix length, with a plain decode
 step (one token) as 1.0: the curve that decides how big a draft tree can pay on a given machine. The engine's own
-forward (kernels), a breadth-first 4-ary tree of T tokens (the paper's 2.2.2 tree at T = 81), medians of repeated
-forwards, each T timed in alternation with the plain step. Writes forward_cost_<dtype>.{json,md,png}.
+forward (kernels), a breadth-first 4-ary tree of T tokens (the paper's 2.2.2 tree at T = 81; T = 1 is the plain
+step), medians of repeated forwards, every T timed in alternation (tr_engine.cost.time_steps, which also measures the
+adaptive tree's cost curve). Writes forward_cost_<dtype>.{json,md,png}.
 
     python -m bench.forward_cost [--dtypes float32 bfloat16] [--prefixes 128 512 1024] [--reps 9]
 """
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from bench.kernels import tree_mask
 from bench.machine import machine_info, machine_line
+from tr_engine.cost import time_steps
 from tr_engine.engine import Engine
 
 TREE_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 81, 96, 128)
-
-
-@torch.inference_mode()
-def measure(engine: Engine, prefix: int, reps: int) -> dict[int, float]:
-    """Median seconds of a T-token tree forward after `prefix` cached tokens, for every T, and of a plain step (T=0)."""
-    model, cache = engine.model, engine.cache
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (prefix + 1,), generator=g)
-    cache.reset()
-    model(ids[:prefix], torch.arange(prefix), cache.data, 0)  # fill the prefix's K/V once
-    depth_of = {}
-
-    def forward(T: int):
-        if T == 0:  # the plain decode step: one token, no mask
-            return model(ids[prefix:], torch.tensor([prefix]), cache.data, prefix)
-        mask = masks[T]
-        return model(ids[prefix:].repeat(T), prefix + depth_of[T], cache.data, prefix, tree_mask=mask)
-
-    masks = {T: tree_mask(T) for T in TREE_TOKENS}
-    for T, mask in masks.items():
-        depth_of[T] = mask.sum(dim=1) - 1  # ancestors above each token = its depth
-    sizes = (0,) + TREE_TOKENS
-    for T in sizes:
-        forward(T)  # warm-up
-    times = {T: [] for T in sizes}
-    for _ in range(reps):
-        for T in sizes:  # in alternation: a noisy spell hits every size alike
-            t0 = time.perf_counter()
-            forward(T)
-            times[T].append(time.perf_counter() - t0)
-    return {T: statistics.median(t) for T, t in times.items()}
 
 
 def plot(path: Path, curves: dict[int, dict[int, float]], title: str) -> None:
@@ -86,8 +54,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for dtype in args.dtypes:
         engine = Engine.from_pretrained(args.model, dtype=dtype, max_context=max(args.prefixes) + 256)
-        seconds = {prefix: measure(engine, prefix, args.reps) for prefix in args.prefixes}
-        curves = {p: {T: s[T] / s[0] for T in TREE_TOKENS} for p, s in seconds.items()}
+        seconds = {p: time_steps(engine.model, engine.cache, TREE_TOKENS, p, args.reps, with_argmax=False)
+                   for p in args.prefixes}
+        curves = {p: {T: s[T] / s[1] for T in TREE_TOKENS} for p, s in seconds.items()}
         lines = [f"# Verify-forward cost on {args.model} ({dtype}), plain decode step = 1.0", "",
                  f"Machine: {machine_line(info)}. Median of {args.reps} forwards per size, sizes in alternation; "
                  "breadth-first 4-ary trees (the paper's 2.2.2 at 81 tokens).", "",
@@ -95,7 +64,7 @@ def main(argv=None) -> int:
                  "|---|" + "---|" * len(args.prefixes)]
         for T in TREE_TOKENS:
             lines.append(f"| {T} | " + " | ".join(f"{curves[p][T]:.2f}" for p in args.prefixes) + " |")
-        lines += ["", "Plain step: " + ", ".join(f"{1e3 * seconds[p][0]:.1f} ms at prefix {p}" for p in args.prefixes)
+        lines += ["", "Plain step: " + ", ".join(f"{1e3 * seconds[p][1]:.1f} ms at prefix {p}" for p in args.prefixes)
                   + ".", "", f"![cost curve](forward_cost_{dtype}.png)"]
         stem = args.out / f"forward_cost_{dtype}"
         (stem.with_suffix(".md")).write_text("\n".join(lines) + "\n")

@@ -6,6 +6,7 @@ Writes bench/results/kernels_cpu.{json,md}.
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -17,19 +18,11 @@ import torch.nn.functional as F
 from bench.machine import machine_info, machine_line
 from tr_engine import reference
 from tr_engine.ops import load_ops
-from tr_engine.tree import ancestor_mask, load_tree
+from tr_engine.tree import sample_tree_mask as tree_mask
 
 V, E, L, HQ, HKV, D, K = 49152, 576, 30, 9, 3, 64, 8  # SmolLM2-135M
 TREE_TOKENS = (1, 16, 32, 64, 81, 128)
 PREFIXES = (128, 512, 2048)
-
-
-def tree_mask(T: int) -> torch.Tensor:
-    """The paper's 2.2.2 tree for T = 81; otherwise the first T tokens of a breadth-first tree with 4 children per
-    node (a plausible draft tree of that size). bool [T, T]."""
-    if T == load_tree("2.2.2").size:
-        return load_tree("2.2.2").mask
-    return ancestor_mask([0] + [(i - 1) // 4 for i in range(1, T)])
 
 
 def attention_cases(ops):
@@ -99,10 +92,11 @@ def cases(ops):
             "ours": lambda: ops.compact_kv_(cache, src, P + 1), "stock": stock,
             "reference": lambda: reference.compact_kv_(cache, src, P + 1)}
     for dtype in (torch.float32, torch.bfloat16):
-        for n_out, n_in in ((960, 576), (3072, 576), (576, 1536), (V, 576)):
-            x, w = torch.randn(1, n_in).to(dtype), torch.randn(n_out, n_in).to(dtype)
+        # 1 row: a decode step; 4 and 16: small draft trees (the adaptive tree's sizes on a CPU)
+        for T, (n_out, n_in) in itertools.product((1, 4, 16), ((960, 576), (3072, 576), (576, 1536), (V, 576))):
+            x, w = torch.randn(T, n_in).to(dtype), torch.randn(n_out, n_in).to(dtype)
             name = str(dtype).removeprefix("torch.")
-            yield "skinny_linear", f"1x{n_in} @ {n_in}x{n_out} {name}", {
+            yield "skinny_linear", f"{T}x{n_in} @ {n_in}x{n_out} {name}", {
                 "ours": lambda x=x, w=w: ops.skinny_linear(x, w), "stock": lambda x=x, w=w: F.linear(x, w),
                 "reference": lambda x=x, w=w: reference.skinny_linear(x, w)}
 

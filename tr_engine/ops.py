@@ -12,11 +12,12 @@ from tr_engine.errors import UserError
 
 OP_NAMES = ("compact_kv_", "skinny_linear", "recycle_update_", "tree_attention")
 KINDS = ("kernels", "reference")
-# skinny_linear accepts up to 16 rows (csrc/registration.cpp) but streams each weight row once per call and redoes the
-# dot product per row, so it wins only for a few rows: measured here (2 threads), in float32 up to 4 rows (LM head:
-# 3.4 vs 23 ms at 2 rows, where MKL's small-M path is slow) and in bfloat16/float16 for one row only, where
-# oneDNN's bf16 GEMM is fast (bench/results/kernels_cpu.md has the 1-row table).
-SKINNY_ROWS = {torch.float32: 4, torch.bfloat16: 1, torch.float16: 1}
+# skinny_linear accepts up to 16 rows (csrc/registration.cpp) and streams each weight row once per call, reducing every
+# row of x against it from L1 (AVX-512 register tiles; bf16 through the AVX512-BF16 dot product). It wins while the
+# matmul is bound by reading the weights; measured here (2 threads, SmolLM2's shapes, `bench.kernels`, interleaved
+# against F.linear): float32 1.9-3.9x at 2-4 rows, >= 1.0x up to 8 (LM head 1.9x), 0.9x at 12; bfloat16 1.4-2.5x at
+# 2-4 rows, 1.1x at 6, parity at 8, 0.8-0.9x at 12 (oneDNN's bf16 GEMM takes over). float16 keeps the plain loop.
+SKINNY_ROWS = {torch.float32: 8, torch.bfloat16: 6, torch.float16: 1}
 
 
 def load_ops(kind: str = "kernels") -> SimpleNamespace:

@@ -86,6 +86,38 @@ def ancestor_mask(parent: list[int]) -> torch.Tensor:
     return mask
 
 
+def sample_tree_mask(T: int) -> torch.Tensor:
+    """A plausible draft tree's mask for T tokens, for measuring costs: the paper's 2.2.2 tree at T = 81, otherwise
+    the first T tokens of a breadth-first tree with 4 children per node. bool [T, T]."""
+    if T == load_tree("2.2.2").size:
+        return load_tree("2.2.2").mask
+    return ancestor_mask([0] + [(i - 1) // 4 for i in range(1, T)])
+
+
+def graft_chain(tree: DraftTree, at: int, length: int) -> DraftTree:
+    """`tree` with a chain of `length` new nodes under token index `at`, appended after its nodes (hybrid drafting:
+    a prompt-lookup continuation hung on the matrix's tree). The chain's nodes are not matrix candidates: their rank
+    is -1 and their path ends in -1s, and `levels` still covers only the matrix's nodes (what retrieve expands)."""
+    n = tree.size
+    parent = tree.parent.tolist() + [at] + list(range(n, n + length - 1))
+    depth0 = int(tree.depth[at])
+    mask = torch.zeros(n + length, n + length, dtype=torch.bool)
+    mask[:n, :n] = tree.mask.cpu()
+    for i in range(n, n + length):
+        mask[i] = mask[parent[i]]
+        mask[i, i] = True
+    base = tree.paths[at - 1] if at else ()
+    paths = tree.paths + tuple(base + (-1,) * d for d in range(1, length + 1))
+    children = [list(c) for c in tree.children] + [[] for _ in range(length)]
+    for i in range(n, n + length):
+        children[parent[i]].append(i)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    out = DraftTree(paths, as_long(parent), as_long(tree.rank.tolist() + [-1] * length),
+                    as_long(tree.depth.tolist() + list(range(depth0 + 1, depth0 + length + 1))), mask, tree.levels,
+                    tuple(map(tuple, children)))
+    return out.to(tree.parent.device)
+
+
 def chain_tree(length: int) -> DraftTree:
     """A single path of `length` rank-0 nodes (prompt lookup's drafts; length 0 is a plain decode step)."""
     return build_tree([(0,) * d for d in range(1, length + 1)])

@@ -1,0 +1,145 @@
+"""What a verify step costs on this machine, in plain decode steps, by the number of tokens it verifies.
+
+A draft tree pays only if the tokens it gets accepted outweigh its cost, and that cost is a property of the hardware,
+model, dtype and thread count: on an A100 an 81-token verify costs about 1.3 plain steps, on this project's 2-core CPU
+about 8 (bench/results/forward_cost_*.md). So the adaptive tree (tr_engine/adaptive.py) reads a cost curve measured
+where the engine runs: a few seconds of timed steps at first use, cached as JSON under $TR_ENGINE_HOME/costs/ per
+model, dtype, device, threads and ops, and measured again when any of those (or the torch version or the CPU)
+changes, or on `--recalibrate`.
+
+A "step" here is what the decode loop pays per forward: the forward itself plus the argmax over its logits and the
+host sync that reads them back.
+"""
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tr_engine.errors import UserError
+from tr_engine.tree import sample_tree_mask
+
+# Verify sizes (tokens, root included) a tree may take, and the ones the cost curve measures. Every size from 1 to 8
+# is measured: on a CPU the few-row matmul kernels change there (tr_engine/ops.py: SKINNY_ROWS), so the curve has
+# steps that interpolation would miss. A fixed set of sizes also keeps the verify shapes static (CUDA graphs).
+BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+PREFIXES = (256, 1024)  # cached tokens before the step (less in a small cache); the cost is linear between them
+
+
+@torch.inference_mode()
+def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = True) -> dict[int, float]:
+    """Median seconds of one forward of T tokens (a breadth-first tree; T = 1 is a plain decode step, no mask) after
+    `prefix` cached tokens, for every T in `sizes`, timed in alternation so that a noisy spell hits every size alike.
+    With `with_argmax`, each timing includes the argmax over the logits and its host sync (what a decode step pays).
+    Overwrites the cache's slots 0..prefix+max(sizes)-1 and leaves cache.length = 0."""
+    g = torch.Generator().manual_seed(0)
+    device = cache.data.device
+    ids = torch.randint(0, model.config.vocab_size, (prefix + 1,), generator=g).to(device)
+    cache.reset()
+    model(ids[:prefix], torch.arange(prefix, device=device), cache.data, 0, last_logits_only=True)  # the prefix's K/V
+    masks = {T: sample_tree_mask(T).to(device) for T in sizes if T > 1}
+    depths = {T: prefix + m.sum(dim=1) - 1 for T, m in masks.items()}  # ancestors above a token = its depth
+
+    def step(T: int):
+        if T == 1:
+            logits = model(ids[prefix:], torch.tensor([prefix], device=device), cache.data, prefix)
+        else:
+            logits = model(ids[prefix:].repeat(T), depths[T], cache.data, prefix, tree_mask=masks[T])
+        if with_argmax:
+            logits.argmax(dim=-1).tolist()
+        elif device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for T in sizes:
+        step(T)  # warm-up: first-call allocations and kernel selection
+    times = {T: [] for T in sizes}
+    for _ in range(reps):
+        for T in sizes:
+            t0 = time.perf_counter()
+            step(T)
+            times[T].append(time.perf_counter() - t0)
+    cache.reset()
+    return {T: statistics.median(t) for T, t in times.items()}
+
+
+@dataclass
+class CostModel:
+    """relative[p][i]: the cost of a verify of BUCKETS[i] tokens after PREFIXES[p] cached tokens, in plain steps."""
+
+    buckets: tuple[int, ...]
+    prefixes: tuple[int, ...]
+    relative: list[list[float]]
+    plain_s: list[float]  # seconds of a plain step at each prefix
+    key: dict
+
+    def cost(self, tokens: int, prefix: int) -> float:
+        """Relative cost of a `tokens`-token verify (a bucket size) after `prefix` cached tokens."""
+        i = self.buckets.index(tokens)
+        (p0, p1), rows = self.prefixes, self.relative
+        w = min(max((prefix - p0) / (p1 - p0), 0.0), 1.0) if p1 > p0 else 0.0
+        return (1 - w) * rows[0][i] + w * rows[1][i]
+
+    def curve(self, prefix: int) -> list[float]:
+        return [self.cost(T, prefix) for T in self.buckets]
+
+    @classmethod
+    def measure(cls, model, cache, key: dict, reps: int = 3) -> "CostModel":
+        room = cache.capacity - BUCKETS[-1]  # a prefix plus the biggest verify must fit in the cache
+        if room < 1:
+            raise UserError(f"--tree adaptive measures verifies of up to {BUCKETS[-1]} tokens, but the KV cache holds "
+                            f"{cache.capacity}; raise --max-context or use --tree 2.2.2")
+        prefixes = tuple(min(p, room) for p in PREFIXES)
+        relative, plain = [], []
+        for prefix in prefixes:
+            s = time_steps(model, cache, BUCKETS, prefix, reps)
+            # A bigger verify never costs less than a smaller one; measured inversions are noise.
+            rel, top = [], 0.0
+            for T in BUCKETS:
+                top = max(top, s[T] / s[1])
+                rel.append(round(top, 4))
+            relative.append(rel)
+            plain.append(s[1])
+        return cls(BUCKETS, prefixes, relative, plain, key)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"buckets": self.buckets, "prefixes": self.prefixes, "relative": self.relative,
+                                   "plain_s": self.plain_s, "key": self.key}, indent=1) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, key: dict) -> "CostModel | None":
+        """The cached curve at `path` if it was measured for `key` (and the current bucket sizes), else None."""
+        try:
+            d = json.loads(path.read_text())
+            if d["key"] != key or tuple(d["buckets"]) != BUCKETS:
+                return None
+            return cls(tuple(d["buckets"]), tuple(d["prefixes"]), d["relative"], d["plain_s"], d["key"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # missing or unreadable: measure again
+
+
+def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str) -> dict:
+    """What the cost curve depends on; a cached curve with another key is measured again."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    return {"model": model_name, "dtype": str(dtype).removeprefix("torch."), "device": where,
+            "threads": torch.get_num_threads(), "ops": ops, "torch": torch.__version__}
+
+
+def cost_path(home: Path, key: dict) -> Path:
+    safe = lambda s: "".join(c if c.isalnum() or c in "-._" else "_" for c in str(s))  # noqa: E731
+    name = f"{key['model']}-{key['dtype']}-{key['device']}-t{key['threads']}-{key['ops']}.json"
+    return home / "costs" / safe(name)
