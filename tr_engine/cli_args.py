@@ -1,21 +1,27 @@
 """The flags the command-line tools share (model, device, decoding), and the engine they describe."""
 
 import argparse
+import sys
 
+from tr_engine.methods import ADAPTIVE, METHODS
 from tr_engine.models import DEFAULT_MODEL
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"model folder or known name (default {DEFAULT_MODEL})")
     ap.add_argument("--model-dir", default=None, help="folder that holds known models by name (searched first)")
-    ap.add_argument("--method", default="tr", choices=["tr", "pld", "ar"],
-                    help="tr: Token Recycling (default); pld: prompt lookup; ar: plain greedy. Same output tokens")
+    ap.add_argument("--method", default="tr", choices=METHODS,
+                    help="tr: Token Recycling (default); pld: prompt lookup; hybrid: both in one tree; ar: plain "
+                         "greedy. Same output tokens")
     ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     ap.add_argument("--max-context", type=int, default=None, help="KV-cache capacity in tokens")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
     ap.add_argument("--ops", default="kernels", choices=["kernels", "reference"], help="compiled ops or their references")
-    ap.add_argument("--tree", default="2.2.2", help="draft tree: 2.2.2 (the paper's) or a JSON file of rank paths")
+    ap.add_argument("--tree", default="2.2.2",
+                    help="draft tree: 2.2.2 (the paper's), adaptive (chosen each step for this machine's verify cost, "
+                         "measured once and cached), or a JSON file of rank paths")
+    ap.add_argument("--recalibrate", action="store_true", help="measure the verify cost curve again (--tree adaptive)")
     ap.add_argument("--topk", type=int, default=8, help="candidates kept per token in the recycling matrix")
     ap.add_argument("--seed-from-prompt", action="store_true", help="seed the matrix from each prompt's prefill")
 
@@ -23,5 +29,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 def engine_from_args(args):
     from tr_engine.engine import Engine  # imports torch: after argument parsing, so --help is instant
 
-    return Engine.from_pretrained(args.model, args.device, args.dtype, args.max_context, args.model_dir, args.ops,
-                                  args.threads, args.tree, args.topk, args.method)
+    engine = Engine.from_pretrained(args.model, args.device, args.dtype, args.max_context, args.model_dir, args.ops,
+                                    args.threads, args.tree, args.topk, args.method)
+    if args.tree == ADAPTIVE and args.method in ("tr", "hybrid"):
+        if args.recalibrate or not engine.has_cost_model():
+            print("measuring this machine's verify cost for the adaptive tree (once; cached)...", file=sys.stderr,
+                  flush=True)
+        engine.cost_model(recalibrate=args.recalibrate)
+    return engine

@@ -29,6 +29,7 @@ class Generation:
     steps: int  # forwards after the prefill
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each step
     phase_s: dict[str, float] = field(default_factory=dict)  # decode seconds by phase (speculative methods)
+    verify_tokens: list[int] = field(default_factory=list)  # tokens each step's forward verified (root included)
 
 
 @torch.inference_mode()
@@ -90,7 +91,7 @@ def greedy_steps(model: Llama, cache: KVCache, context_ids: list[int], max_new_t
     t2 = time.perf_counter()
     # The last token is never fed back, so it is not in the cache: the next turn's prefill starts with it.
     steps = max(len(out) - 1, 0)
-    return Generation(out, finish, len(new), t1 - t0, t2 - t1, steps, [1] * steps)
+    return Generation(out, finish, len(new), t1 - t0, t2 - t1, steps, [1] * steps, {}, [1] * steps)
 
 
 def greedy_generate(

@@ -2,15 +2,17 @@
 
 All of them share verify, accept and compact (tr_engine/speculative.py). Token Recycling reads its drafts from the
 recycling matrix and learns from every verify; prompt lookup copies the continuation of the latest earlier match of
-the last few tokens, as a chain.
+the last few tokens, as a chain; hybrid drafting merges the two into one tree. After each verify a drafter observes
+the step: the logits at every node and the tokens committed (the greedy continuation).
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from tr_engine.adaptive import AdaptiveTrees, ChainStats
 from tr_engine.matrix import RecyclingMatrix
-from tr_engine.tree import DraftTree, chain_tree
+from tr_engine.tree import DraftTree, chain_tree, graft_chain
 
 
 @dataclass
@@ -20,19 +22,30 @@ class Draft:
 
 
 class TokenRecycling:
-    """Retrieve from the matrix along a static tree; recycle every verify's top-k back into it."""
+    """Retrieve from the matrix along a tree; recycle every verify's top-k back into it. The tree is static (the
+    paper's), or with `adaptive` chosen each step for this machine's verify cost (tr_engine/adaptive.py)."""
 
     name = "tr"
 
-    def __init__(self, matrix: RecyclingMatrix, tree: DraftTree):
-        self.matrix, self.tree = matrix, tree.to(matrix.table.device)
-        self.max_step_tokens = tree.size
+    def __init__(self, matrix: RecyclingMatrix, tree: DraftTree, adaptive: AdaptiveTrees | None = None):
+        self.matrix, self.tree, self.adaptive = matrix, tree.to(matrix.table.device), adaptive
+        self.max_step_tokens = adaptive.max_step_tokens if adaptive else tree.size
+        self._root = None
 
     def propose(self, history: list[int]) -> Draft:
-        root = torch.tensor(history[-1], device=self.matrix.table.device)
-        return Draft(self.tree, self.matrix.retrieve(root, self.tree))
+        tree = self.adaptive.tree(self.adaptive.choose(len(history))[0]) if self.adaptive else self.tree
+        return self.draft(history, tree)
 
-    def observe(self, draft: Draft, logits: torch.Tensor) -> None:
+    def draft(self, history: list[int], tree: DraftTree) -> Draft:
+        self._root = history[-1]
+        root = torch.tensor(self._root, device=self.matrix.table.device)
+        return Draft(tree, self.matrix.retrieve(root, tree))
+
+    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int]) -> None:
+        if self.adaptive is not None:  # how the greedy path ranked in the rows that drafted it, before recycling
+            table = self.matrix.table
+            rows = table[torch.tensor([self._root] + committed[:-1], device=table.device)].tolist()
+            self.adaptive.observe(rows, committed)
         self.matrix.recycle_(draft.tokens, logits)
 
 
@@ -60,5 +73,63 @@ class PromptLookup:
                     return history[start + n : start + n + self.length]
         return []
 
-    def observe(self, draft: Draft, logits: torch.Tensor) -> None:
+    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int]) -> None:
         pass
+
+
+class Hybrid:
+    """Token Recycling's tree with prompt lookup's chain merged in: the chain follows the tree's nodes while their
+    tokens agree and hangs its remaining tokens under the last one, so copy-heavy text gets long copied branches and
+    everything else keeps the matrix's drafts. With an adaptive tree the chain's length is chosen with the tree's
+    size, by the same expected-tokens-per-cost rule; otherwise the whole chain is added to the static tree."""
+
+    name = "hybrid"
+
+    def __init__(self, tr: TokenRecycling, lookup: PromptLookup):
+        self.tr, self.lookup = tr, lookup
+        self.chain_stats = ChainStats(lookup.length)
+        self.max_step_tokens = tr.max_step_tokens + (0 if tr.adaptive else lookup.length)
+        self._chain: list[int] = []
+        self._grafted: dict[tuple, DraftTree] = {}
+
+    @property
+    def adaptive(self) -> AdaptiveTrees | None:
+        return self.tr.adaptive
+
+    @property
+    def matrix(self) -> RecyclingMatrix:
+        return self.tr.matrix
+
+    def propose(self, history: list[int]) -> Draft:
+        chain = self._chain = self.lookup.lookup(history)
+        adaptive = self.tr.adaptive
+        if adaptive is not None:
+            T, m = adaptive.choose(len(history), self.chain_stats.values(len(chain)))
+            tree, chain = adaptive.tree(T), chain[:m]
+        else:
+            tree = self.tr.tree
+        draft = self.tr.draft(history, tree)
+        if not chain:
+            return draft
+        tokens = draft.tokens.tolist()
+        node, j = 0, 0
+        while j < len(chain):  # follow the tree while it already drafts the chain's tokens
+            child = next((c for c in tree.children[node] if tokens[c] == chain[j]), None)
+            if child is None:
+                break
+            node, j = child, j + 1
+        if j == len(chain):
+            return draft
+        key = (tree.paths, node, len(chain) - j)
+        grafted = self._grafted.get(key)
+        if grafted is None:
+            if len(self._grafted) > 1024:
+                self._grafted.clear()
+            grafted = self._grafted[key] = graft_chain(tree, node, len(chain) - j)
+        rest = torch.tensor(chain[j:], dtype=torch.long, device=draft.tokens.device)
+        return Draft(grafted, torch.cat([draft.tokens, rest]))
+
+    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int]) -> None:
+        if self._chain:
+            self.chain_stats.observe(self._chain, committed)
+        self.tr.observe(draft, logits, committed)

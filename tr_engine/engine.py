@@ -13,19 +13,21 @@ from pathlib import Path
 import torch
 
 from tr_engine.decode import Generation, greedy_steps, run_to_end
-from tr_engine.drafters import PromptLookup, TokenRecycling
+from tr_engine.adaptive import AdaptiveTrees
+from tr_engine.cost import CostModel, cost_key, cost_path
+from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
 from tr_engine.errors import UserError
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
+from tr_engine.methods import ADAPTIVE, METHODS
 from tr_engine.model import Llama
-from tr_engine.models import resolve_model
+from tr_engine.models import home, resolve_model
 from tr_engine.ops import load_ops
 from tr_engine.speculative import speculative_steps
 from tr_engine.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 from tr_engine.tree import load_tree
 from tr_engine.weights import load_model, parse_dtype
 
-METHODS = ("ar", "tr", "pld")
 
 DEFAULT_MAX_CONTEXT = 8192  # cache capacity when the model allows more; --max-context raises it
 
@@ -81,11 +83,58 @@ class Engine:
         model.set_max_positions(max_context)
         # Token Recycling's state: one matrix for the engine's lifetime (hot start across calls).
         self.matrix = RecyclingMatrix(model.config.vocab_size, topk, w.device, self.ops.recycle_update_)
-        self.tree = load_tree(tree, topk)
-        self.drafters = {
-            "tr": TokenRecycling(self.matrix, self.tree),
-            "pld": PromptLookup(w.device),
-        }
+        self.tree_spec, self.topk, self.ops_kind = tree, topk, ops
+        self.tree = load_tree("2.2.2" if tree == ADAPTIVE else tree, topk)  # the static tree (adaptive: unused)
+        self._cost: CostModel | None = None
+        self.drafters = {m: self.new_drafter(m, matrix=self.matrix) for m in ("tr", "pld", "hybrid")}
+
+    def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None):
+        """A drafter for `method` (tr, pld, hybrid) with the engine's tree setting or `tree` ("adaptive", "2.2.2", a
+        file), drafting from `matrix` (default: a new, empty one). Pass it to generate/stream as `drafter=` to run
+        several configurations side by side on one model, each with its own state (the benchmarks do)."""
+        if method == "pld":
+            return PromptLookup(self.cache.data.device)
+        if method not in ("tr", "hybrid"):
+            raise UserError(f"no drafter for method {method!r}; choose tr, pld or hybrid")
+        tree = tree or self.tree_spec
+        if matrix is None:
+            matrix = RecyclingMatrix(self.model.config.vocab_size, self.topk, self.cache.data.device,
+                                     self.ops.recycle_update_)
+        adaptive = AdaptiveTrees(matrix.k, self._cost, device=self.cache.data.device) if tree == ADAPTIVE else None
+        static = self.tree if tree in (self.tree_spec, ADAPTIVE) else load_tree(tree, matrix.k)
+        tr = TokenRecycling(matrix, static, adaptive)
+        return Hybrid(tr, PromptLookup(self.cache.data.device)) if method == "hybrid" else tr
+
+    def _cost_location(self):
+        w = self.model.lm_head.weight
+        key = cost_key(self.folder.name, w.dtype, w.device, self.ops_kind)
+        return key, cost_path(home(), key)
+
+    def has_cost_model(self) -> bool:
+        """Whether cost_model() can answer without measuring."""
+        key, path = self._cost_location()
+        return self._cost is not None or CostModel.load(path, key) is not None
+
+    def cost_model(self, recalibrate: bool = False) -> CostModel:
+        """The verify cost curve of this model, dtype, device and thread count (tr_engine/cost.py): loaded from
+        $TR_ENGINE_HOME/costs/, or measured now (a few seconds; it overwrites the KV cache, so the next call
+        prefills its whole prompt) and saved there."""
+        if self._cost is not None and not recalibrate:
+            return self._cost
+        key, path = self._cost_location()
+        cost = None if recalibrate else CostModel.load(path, key)
+        if cost is None:
+            cost = CostModel.measure(self.model, self.cache, key)
+            self.reset_cache()
+            try:
+                cost.save(path)
+            except OSError:
+                pass  # a read-only home: measure again next time
+        self._cost = cost
+        for d in self.drafters.values():
+            if getattr(d, "adaptive", None) is not None:
+                d.adaptive.cost = cost
+        return cost
 
     @classmethod
     def from_pretrained(
@@ -137,21 +186,24 @@ class Engine:
         self.matrix.table.copy_(loaded.table)
 
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
-                 method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False) -> GenerateResult:
+                 method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False,
+                 drafter=None) -> GenerateResult:
         """Answer a prompt (a string, or a conversation as messages): `method` "ar" (plain greedy), "tr" (Token
-        Recycling) or "pld" (prompt lookup), default the engine's; all three emit the same tokens. The recycling matrix persists across
-        calls. With `reuse_cache`, the part of the prompt the cache already holds (the earlier turns of a
-        conversation, with their answers) is not computed again; otherwise every call starts from an empty cache."""
-        return run_to_end(self.stream(prompt, max_new_tokens, chat_template, method, seed_from_prompt, reuse_cache))
+        Recycling), "pld" (prompt lookup) or "hybrid" (both in one tree), default the engine's; all emit the same
+        tokens. `drafter` (from new_drafter) overrides `method`. The recycling matrix persists across calls. With
+        `reuse_cache`, the part of the prompt the cache already holds (the earlier turns of a conversation, with
+        their answers) is not computed again; otherwise every call starts from an empty cache."""
+        return run_to_end(self.stream(prompt, max_new_tokens, chat_template, method, seed_from_prompt, reuse_cache,
+                                      drafter))
 
     def stream(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
-               method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False):
+               method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None):
         """Like generate, yielding the answer's text as it is accepted (whole characters only); returns the
         GenerateResult (`result = yield from engine.stream(…)`, or StopIteration.value)."""
         ids = self.prompt_ids(prompt, chat_template)
         decoder = StreamDecoder(self.tokenizer, ids)
         eos = self.tokenizer.eos_ids
-        steps = self.decode_steps(ids, max_new_tokens, method, seed_from_prompt, reuse_cache)
+        steps = self.decode_steps(ids, max_new_tokens, method, seed_from_prompt, reuse_cache, drafter)
         while True:
             try:
                 committed = next(steps)
@@ -168,11 +220,16 @@ class Engine:
         return GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, ids, gen)
 
     def decode_steps(self, ids: list[int], max_new_tokens: int, method: str | None = None,
-                     seed_from_prompt: bool = False, reuse_cache: bool = False):
+                     seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None):
         """The decode loop for prompt token ids: yields each step's committed ids, returns the Generation."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        method = check_method(method or self.method)
+        method = drafter.name if drafter is not None else check_method(method or self.method)
+        if method != "ar":
+            drafter = drafter or self.drafters[method]
+            adaptive = getattr(drafter, "adaptive", None)
+            if adaptive is not None and adaptive.cost is None:
+                adaptive.cost = self.cost_model()  # before the cache is set up: measuring overwrites it
         keep = shared_prefix(self.cached_ids, ids) if reuse_cache else 0
         self.cache.length = min(keep, len(ids) - 1)  # the last prompt token is always run: its logits start decoding
         self.cached_ids = []  # unknown until the loop finishes (an interrupted loop leaves nothing to reuse)
@@ -180,9 +237,10 @@ class Engine:
         if method == "ar":
             gen = yield from greedy_steps(self.model, self.cache, ids, max_new_tokens, eos)
         else:
-            seed = self.matrix.seed_ if seed_from_prompt and method == "tr" else None
-            gen = yield from speculative_steps(self.model, self.cache, ids, self.drafters[method], max_new_tokens,
-                                               eos, self.ops.compact_kv_, seed)
+            matrix = getattr(drafter, "matrix", None)
+            seed = matrix.seed_ if seed_from_prompt and matrix is not None else None
+            gen = yield from speculative_steps(self.model, self.cache, ids, drafter, max_new_tokens, eos,
+                                               self.ops.compact_kv_, seed)
         self.cached_ids = (ids + gen.token_ids)[: self.cache.length]
         return gen
 

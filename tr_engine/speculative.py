@@ -77,7 +77,7 @@ def speculative_steps(
     out = [int(first.argmax())]
     yield list(out)
     history = list(context_ids) + out
-    accept_lengths = []
+    accept_lengths, verify_tokens = [], []
     # Seconds per phase. On a GPU these host clocks only see launches, except accept's sync, which absorbs the wait.
     phase_s = dict.fromkeys(("retrieve", "verify", "accept", "compact", "recycle"), 0.0)
     clock = time.perf_counter
@@ -93,7 +93,7 @@ def speculative_steps(
             td = clock()
             compact(cache, path, compact_kv_)
             te = clock()
-            drafter.observe(draft, logits)  # recycle
+            drafter.observe(draft, logits, committed)  # recycle (and learn)
             tf = clock()
         for name, dt in zip(phase_s, (tb - ta, tc - tb, td - tc, te - td, tf - te)):
             phase_s[name] += dt
@@ -105,6 +105,7 @@ def speculative_steps(
         out += committed
         history += committed
         accept_lengths.append(len(committed))
+        verify_tokens.append(draft.tree.size)
         yield committed
         finished = eos_at is not None or len(out) >= max_new_tokens
     t2 = time.perf_counter()
@@ -112,7 +113,8 @@ def speculative_steps(
     # every committed token but the last (the invariant above).
     cache.length = min(cache.length, len(context_ids) + len(out) - 1)
     finish = "eos" if out[-1] in eos_ids else "length"
-    return Generation(out, finish, len(new), t1 - t0, t2 - t1, len(accept_lengths), accept_lengths, phase_s)
+    return Generation(out, finish, len(new), t1 - t0, t2 - t1, len(accept_lengths), accept_lengths, phase_s,
+                      verify_tokens)
 
 
 def speculative_generate(model, cache, context_ids, drafter, max_new_tokens, eos_ids, compact_kv_,

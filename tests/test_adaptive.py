@@ -1,0 +1,183 @@
+"""Cost-aware adaptive trees and hybrid drafting (tr_engine/adaptive.py, tr_engine/cost.py): lossless like every
+drafter, and the choices follow the statistics and the cost curve they are given."""
+
+import json
+
+import pytest
+import torch
+
+from tr_engine import reference
+from tr_engine.adaptive import AdaptiveTrees, ChainStats, RankStats
+from tr_engine.cost import BUCKETS, PREFIXES, CostModel, cost_key, cost_path
+from tr_engine.decode import greedy_generate
+from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
+from tr_engine.kv_cache import KVCache
+from tr_engine.matrix import RecyclingMatrix
+from tr_engine.speculative import speculative_generate
+from tr_engine.tree import build_tree, graft_chain, load_tree
+from tr_engine.weights import load_model
+
+
+def curve(fn) -> CostModel:
+    """A hand-made cost curve: fn(T) plain steps for a T-token verify, at every prefix."""
+    rel = [round(fn(T), 4) for T in BUCKETS]
+    return CostModel(BUCKETS, PREFIXES, [rel, rel], [1.0, 1.0], {})
+
+
+FREE = curve(lambda T: 1.0)  # a GPU with compute to spare: any tree costs one plain step
+LINEAR = curve(lambda T: float(T))  # every token costs a plain step: nothing can pay
+CPU_LIKE = curve(lambda T: 1.0 if T <= 2 else 1.0 + 0.08 * T)  # this machine's fp32 shape, roughly
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    folder = tiny_factory("spec", dtype=torch.float64, vocab_size=300, std=0.5)
+    return load_model(folder, torch.float64)
+
+
+def generate(model, drafter, prompt, n, eos=()):
+    cache = KVCache(model.config, 512, torch.float64, "cpu")
+    model.set_max_positions(512)
+    if drafter is None:
+        return greedy_generate(model, cache, prompt, n, eos)
+    return speculative_generate(model, cache, prompt, drafter, n, eos, reference.compact_kv_)
+
+
+def drafter(kind: str, cost: CostModel | None, vocab: int):
+    matrix = RecyclingMatrix(vocab, 8)
+    adaptive = AdaptiveTrees(8, cost) if cost is not None else None
+    tr = TokenRecycling(matrix, load_tree("2.2.2"), adaptive)
+    return Hybrid(tr, PromptLookup("cpu", length=6)) if kind == "hybrid" else tr
+
+
+@pytest.mark.parametrize("kind,cost", [("tr", FREE), ("tr", CPU_LIKE), ("hybrid", FREE), ("hybrid", CPU_LIKE),
+                                       ("hybrid", None)], ids=["tr-free", "tr-cpu", "hybrid-free", "hybrid-cpu",
+                                                               "hybrid-static"])
+def test_adaptive_and_hybrid_are_lossless_on_30_prompts(tiny, kind, cost):
+    g = torch.Generator().manual_seed(5)
+    d = drafter(kind, cost, tiny.config.vocab_size)  # kept across prompts: hot matrix, learned statistics
+    accepted = 0
+    for i in range(30):
+        prompt = torch.randint(0, 300, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g).tolist() * 3
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        ar = generate(tiny, None, prompt, n)
+        eos = (ar.token_ids[len(ar.token_ids) // 2],) if i % 3 == 0 else ()
+        ar = generate(tiny, None, prompt, n, eos)
+        got = generate(tiny, d, prompt, n, eos)
+        assert got.token_ids == ar.token_ids, (i, kind)
+        assert got.finish_reason == ar.finish_reason
+        accepted += sum(a >= 2 for a in got.accept_lengths)
+    assert accepted >= 5  # drafts were accepted, so acceptance and compaction were exercised
+
+
+def test_rank_stats_learn_the_rank_that_is_right():
+    stats = RankStats(k=4, max_depth=3)
+    for _ in range(200):  # the greedy token is always rank 2 of the previous token's row, at every depth
+        stats.observe([[10, 11, 12, 13]] * 3, [12, 12, 12])
+    rates = stats.rates()
+    assert rates[0][2] > 0.9 and rates[0][0] < 0.05
+    assert rates[2][2] > 0.9  # the deepest depth too (observed here)
+    stats.observe([[5, 5, 5, 5]], [5])  # duplicates in a row: the first rank is the one accept takes
+    assert stats.hits[0][0] > 0 and stats.hits[0][1] < 1e-3
+
+
+def test_best_trees_are_prefix_closed_and_follow_the_rates():
+    trees = AdaptiveTrees(4, FREE, max_tokens=32)
+    for _ in range(300):
+        trees.observe([[1, 2, 3, 4]] * 6, [2, 2, 2, 2, 2, 2])  # rank 1 is always right
+    assert trees.choose(100) == (32, 0)  # trees are free: the biggest
+    paths = trees.paths[:31]
+    assert set(p[:-1] for p in paths if len(p) > 1) <= set(paths)  # every parent is in the tree
+    assert paths[:3] == [(1,), (1, 1), (1, 1, 1)]  # the always-right chain first
+    build_tree(paths)  # valid
+
+
+def test_size_follows_the_cost_curve():
+    trees = AdaptiveTrees(8, LINEAR)
+    assert trees.choose(100) == (1, 0)  # nothing pays: a plain decode step
+    trees.cost = CPU_LIKE
+    for _ in range(300):
+        trees.observe([[1, 2, 3, 4, 5, 6, 7, 8]] * 6, [1] * 6)  # rank 0 always right: long chains pay
+    T, m = trees.choose(100)
+    assert 2 < T < 128 and m == 0
+    trees.cost = FREE
+    assert trees.choose(100)[0] == 128
+
+
+def test_chain_stats_and_chain_length_choice():
+    chain = ChainStats(6)
+    for _ in range(100):
+        chain.observe([1, 2, 3, 4, 5, 6], [1, 2, 3, 9])  # the first three are right, then a miss
+    v = chain.values(6)
+    assert v[2] > 0.9 and v[3] < 0.05
+    trees = AdaptiveTrees(8, CPU_LIKE)  # prior rates only: the matrix's drafts are weak
+    T, m = trees.choose(100, v)
+    assert m == 3  # exactly the chain tokens that pay
+
+
+def test_graft_chain_buffers():
+    tree = build_tree([[0], [1], [0, 0]])
+    g = graft_chain(tree, 2, 3)  # under token index 2 (path [1])
+    assert g.size == 7
+    assert g.parent.tolist() == [0, 0, 0, 1, 2, 4, 5]
+    assert g.depth.tolist() == [0, 1, 1, 2, 2, 3, 4]
+    assert g.children[2] == (4,) and g.children[4] == (5,) and g.children[6] == ()
+    assert g.mask[6].nonzero().flatten().tolist() == [0, 2, 4, 5, 6]
+    assert g.levels == tree.levels  # retrieve still expands only the matrix's nodes
+
+
+def test_hybrid_follows_the_tree_then_grafts_the_rest_of_the_chain():
+    matrix = RecyclingMatrix(20, 2)
+    matrix.table[3] = torch.tensor([4, 5])
+    matrix.table[4] = torch.tensor([6, 7])
+    tr = TokenRecycling(matrix, build_tree([[0], [1], [0, 0]]))  # tokens: 3 -> 4, 5; 4 -> 6
+    hybrid = Hybrid(tr, PromptLookup("cpu", length=4))
+    history = [3, 4, 6, 8, 9, 1, 2, 3]  # lookup: the last 3 occurred at the start, followed by 4 6 8 9
+    draft = hybrid.propose(history)
+    assert draft.tokens.tolist() == [3, 4, 5, 6, 8, 9]  # 4 and 6 are already tree nodes; 8, 9 hang under 6
+    assert draft.tree.parent.tolist()[-2:] == [3, 4]
+
+
+def test_cost_model_interpolates_saves_and_checks_its_key(tmp_path):
+    rel = [[float(i + 1) for i in range(len(BUCKETS))], [float(2 * (i + 1)) for i in range(len(BUCKETS))]]
+    cm = CostModel(BUCKETS, PREFIXES, rel, [0.01, 0.02], {"model": "m"})
+    mid = (PREFIXES[0] + PREFIXES[1]) // 2
+    assert cm.cost(BUCKETS[1], PREFIXES[0]) == 2.0 and cm.cost(BUCKETS[1], 10**6) == 4.0
+    assert cm.cost(BUCKETS[1], mid) == pytest.approx(3.0, rel=0.01)
+    path = tmp_path / "c.json"
+    cm.save(path)
+    assert CostModel.load(path, {"model": "m"}).relative == rel
+    assert CostModel.load(path, {"model": "other"}) is None  # another machine, dtype or model: measure again
+    path.write_text("{not json")
+    assert CostModel.load(path, {"model": "m"}) is None
+
+
+def test_measured_curve_is_monotone_and_starts_at_one(tiny):
+    cache = KVCache(tiny.config, 2048, torch.float64, "cpu")
+    tiny.set_max_positions(2048)
+    cm = CostModel.measure(tiny, cache, {"model": "tiny"}, reps=1)
+    for row in cm.relative:
+        assert row[0] == 1.0 and row == sorted(row)
+    assert cache.length == 0
+
+
+def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, tmp_path, monkeypatch):
+    from tr_engine.engine import Engine
+
+    monkeypatch.setenv("TR_ENGINE_HOME", str(tmp_path))
+    folder = tiny_factory("spec", dtype=torch.float64, vocab_size=300, std=0.5)
+    engine = Engine.from_pretrained(str(folder), dtype="float64", max_context=512, tree="adaptive", ops="reference")
+    prompt = "the the the cat sat on the mat and the cat sat on the mat"
+    ar = engine.generate(prompt, 40, method="ar")
+    for method in ("tr", "hybrid"):
+        assert engine.generate(prompt, 40, method=method).token_ids == ar.token_ids, method
+    saved = list((tmp_path / "costs").glob("*.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text())["key"]["dtype"] == "float64"
+
+    def no_measuring(*a, **k):
+        raise AssertionError("the cached cost curve should have been used")
+
+    monkeypatch.setattr(CostModel, "measure", no_measuring)
+    again = Engine.from_pretrained(str(folder), dtype="float64", max_context=512, tree="adaptive", ops="reference")
+    assert again.generate(prompt, 40, method="tr").token_ids == ar.token_ids
+    assert cost_path(tmp_path, cost_key(folder.name, torch.float64, torch.device("cpu"), "reference")) == saved[0]
