@@ -94,7 +94,6 @@ class AdaptiveTrees:
         self.max_step_tokens = self.buckets[-1]
         self._since = refresh  # rank on first use
         self._trees: dict[tuple, DraftTree] = {}
-        self.chosen: list[int] = []  # tokens verified by each step (diagnostics and plots)
 
     def observe(self, rows: list[list[int]], targets: list[int]) -> None:
         self.stats.observe(rows, targets)
@@ -134,7 +133,6 @@ class AdaptiveTrees:
                 value = (tree_value + chain_cum[m]) / charged[T + m]
                 if value > best_value:
                     best, best_value = (T, m), value
-        self.chosen.append(sum(best))
         return best
 
     def tree(self, tokens: int) -> DraftTree:
