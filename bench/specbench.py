@@ -152,7 +152,8 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
 
 
 def plot(out: Path, table: dict, records: list[dict], methods: list[str], groups: list[str], title: str) -> None:
-    """speedup.png: speedup over ar per group and method; accept_lengths.png: how many tokens each step committed."""
+    """speedup.png: speedup over ar per group and method; accept_lengths.png: how many tokens each step committed;
+    tree_sizes.png (adaptive methods): how many tokens each step verified."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,36 +177,35 @@ def plot(out: Path, table: dict, records: list[dict], methods: list[str], groups
 
     spec = [m for m in methods if any(r["method"] == m and r["steps"] and r["accept_lengths"] for r in records)
             and m not in ("ar", "hf-ar")]
+    lengths = {m: [a for r in records if r["method"] == m for a in r["accept_lengths"]] for m in spec}
+    histogram(out / "accept_lengths.png", {f"{m} (MAT {sum(v) / len(v):.2f})": v for m, v in lengths.items()},
+              "tokens committed by a step (bonus included)", title)
+    sizes = {m: [t for r in records if r["method"] == m for t in r.get("verify_tokens", [])]
+             for m in methods if m in OWN_DRAFTERS}  # the tree sizes the cost-aware methods chose, step by step
+    if sizes:
+        histogram(out / "tree_sizes.png", {f"{m} (mean {sum(v) / len(v):.1f})": v for m, v in sizes.items() if v},
+                  "tokens in the verify forward (root included; 1 = a plain step)", title)
+
+
+def histogram(path: Path, series: dict[str, list[int]], xlabel: str, title: str) -> None:
+    """One step-outline histogram per labelled series of positive integers, as shares, one bin per integer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    for m in spec:
-        lengths = [a for r in records if r["method"] == m for a in r["accept_lengths"]]
-        top = max(lengths)
-        ax.hist(lengths, bins=[b - 0.5 for b in range(1, top + 2)], density=True, histtype="step", lw=1.5,
-                label=f"{m} (MAT {sum(lengths) / len(lengths):.2f})")
-    ax.set_xlabel("tokens committed by a step (bonus included)")
+    for label, values in series.items():
+        ax.hist(values, bins=[b - 0.5 for b in range(1, max(values) + 2)], density=True, histtype="step", lw=1.5,
+                label=label)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("share of steps")
     ax.set_title(title, fontsize=10)
-    if spec:
+    if series:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "accept_lengths.png")
+    fig.savefig(path)
     plt.close(fig)
-
-    adaptive = [m for m in methods if m in OWN_DRAFTERS]
-    if adaptive:  # the tree sizes the cost-aware methods chose, step by step
-        fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-        for m in adaptive:
-            sizes = [t for r in records if r["method"] == m for t in r.get("verify_tokens", [])]
-            if sizes:
-                ax.hist(sizes, bins=[b - 0.5 for b in range(1, max(sizes) + 2)], density=True, histtype="step",
-                        lw=1.5, label=f"{m} (mean {sum(sizes) / len(sizes):.1f})")
-        ax.set_xlabel("tokens in the verify forward (root included; 1 = a plain step)")
-        ax.set_ylabel("share of steps")
-        ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "tree_sizes.png")
-        plt.close(fig)
 
 
 class HFPeer:
