@@ -89,7 +89,7 @@ class AdaptiveTrees:
     """The best tree for each size, from RankStats, re-ranked every `refresh` observations; the size from the cost."""
 
     def __init__(self, k: int, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu"):
-        self.stats, self.cost, self.refresh, self.device = RankStats(k), cost, refresh, device  # cost: set before use
+        self.stats, self.cost, self.refresh, self.device = RankStats(k), cost, refresh, device  # cost: the engine sets it
         self.buckets = tuple(T for T in BUCKETS if T <= max_tokens)
         self.max_step_tokens = self.buckets[-1]
         self._since = refresh  # rank on first use

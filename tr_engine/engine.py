@@ -100,7 +100,7 @@ class Engine:
         if matrix is None:
             matrix = RecyclingMatrix(self.model.config.vocab_size, self.topk, self.cache.data.device,
                                      self.ops.recycle_update_)
-        adaptive = AdaptiveTrees(matrix.k, self._cost, device=self.cache.data.device) if tree == ADAPTIVE else None
+        adaptive = AdaptiveTrees(matrix.k, None, device=self.cache.data.device) if tree == ADAPTIVE else None
         static = self.tree if tree in (self.tree_spec, ADAPTIVE) else load_tree(tree, matrix.k)
         tr = TokenRecycling(matrix, static, adaptive)
         return Hybrid(tr, PromptLookup(self.cache.data.device)) if method == "hybrid" else tr
@@ -131,9 +131,6 @@ class Engine:
             except OSError:
                 pass  # a read-only home: measure again next time
         self._cost = cost
-        for d in self.drafters.values():
-            if getattr(d, "adaptive", None) is not None:
-                d.adaptive.cost = cost
         return cost
 
     @classmethod
@@ -228,8 +225,8 @@ class Engine:
         if method != "ar":
             drafter = drafter or self.drafters[method]
             adaptive = getattr(drafter, "adaptive", None)
-            if adaptive is not None and adaptive.cost is None:
-                adaptive.cost = self.cost_model()  # before the cache is set up: measuring overwrites it
+            if adaptive is not None:  # the engine's current curve (measuring, once, overwrites the cache: do it first)
+                adaptive.cost = self.cost_model()
         keep = shared_prefix(self.cached_ids, ids) if reuse_cache else 0
         self.cache.length = min(keep, len(ids) - 1)  # the last prompt token is always run: its logits start decoding
         self.cached_ids = []  # unknown until the loop finishes (an interrupted loop leaves nothing to reuse)
