@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info, machine_line
-from tr_engine.decode import greedy_generate
+from tr_engine.decode import plain_generate
 from tr_engine.engine import Engine
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
@@ -39,7 +39,7 @@ def load_prompts(path: Path, n: int) -> list[str]:
 def run_ours(engine: Engine, ids: list[int], n: int) -> tuple[list[int], float]:
     engine.cache.reset()
     t0 = time.perf_counter()
-    gen = greedy_generate(engine.model, engine.cache, ids, n, eos_ids=())
+    gen = plain_generate(engine.model, engine.cache, ids, n, eos_ids=())
     return gen.token_ids, time.perf_counter() - t0
 
 

@@ -23,6 +23,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_home(tmp_path_factory):
+    """The tests' own $TR_ENGINE_HOME (cost curves, matrices), still finding models in the real one."""
+    from tr_engine.models import home
+
+    os.environ.setdefault("TR_ENGINE_MODELS", str(home() / "models"))
+    os.environ["TR_ENGINE_HOME"] = str(tmp_path_factory.mktemp("home"))
+
+
 @pytest.fixture(scope="session")
 def tiny_factory(tmp_path_factory):
     """tiny_factory(name, **kwargs) -> folder of a tiny random Llama (cached per name for the session)."""

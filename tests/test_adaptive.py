@@ -9,7 +9,7 @@ import torch
 from tr_engine import reference
 from tr_engine.adaptive import AdaptiveTrees, ChainStats, RankStats
 from tr_engine.cost import BUCKETS, PREFIXES, CostModel, cost_key, cost_path
-from tr_engine.decode import greedy_generate
+from tr_engine.decode import plain_generate
 from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
@@ -39,7 +39,7 @@ def generate(model, drafter, prompt, n, eos=()):
     cache = KVCache(model.config, 512, torch.float64, "cpu")
     model.set_max_positions(512)
     if drafter is None:
-        return greedy_generate(model, cache, prompt, n, eos)
+        return plain_generate(model, cache, prompt, n, eos)
     return speculative_generate(model, cache, prompt, drafter, n, eos, reference.compact_kv_)
 
 
@@ -159,6 +159,12 @@ def test_measured_curve_is_monotone_and_starts_at_one(tiny):
     for row in cm.relative:
         assert row[0] == 1.0 and row == sorted(row)
     assert cache.length == 0
+    # A small cache measures the buckets that fit twice over, and the trees stay within them.
+    small = CostModel.measure(tiny, KVCache(tiny.config, 64, torch.float64, "cpu"), {"model": "tiny"}, reps=1)
+    assert small.buckets == tuple(T for T in BUCKETS if T <= 32) and max(small.prefixes) <= 32
+    trees = AdaptiveTrees(8, small)
+    assert trees.choose(30)[0] <= 32
+    assert CostModel.measure(tiny, KVCache(tiny.config, 3, torch.float64, "cpu"), {}).buckets == (1,)
 
 
 def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, tmp_path, monkeypatch):

@@ -133,7 +133,9 @@ def test_matrix_is_saved_on_exit_and_loaded_at_start(tmp_path, smollm2_dir):
     prompt = "Explain in two sentences how rain forms."
 
     def mat():
-        proc = run_chat("--model", str(smollm2_dir), "--prompt", prompt, "--max-new-tokens", "48", env=env)
+        # The paper's static tree: on this CPU the adaptive default verifies a few tokens a step, so MAT moves less.
+        proc = run_chat("--model", str(smollm2_dir), "--prompt", prompt, "--max-new-tokens", "48", "--tree", "2.2.2",
+                        env=env)
         assert proc.returncode == 0, proc.stderr
         return float(re.search(r"MAT (\d+\.\d+)", proc.stderr).group(1))
 
@@ -233,3 +235,20 @@ def test_a_refused_turn_is_reported_and_the_chat_goes_on(tiny_factory):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "context" in errors[0] and "Traceback" not in proc.stderr
     assert len(proc.stdout.splitlines()) == 1  # the second line's answer
+
+
+def test_sampled_chat_is_seeded_and_the_temperature_can_change(tiny_factory, tmp_path):
+    folder = str(tiny_factory("chat", dtype=torch.float64, vocab_size=300))
+    env = {**os.environ, "TR_ENGINE_HOME": str(tmp_path)}
+    turns = "hello there\n/temperature 1.5\nwhat now\n/temperature hot\n/temperature 0\nbye\n"
+    args = ("--model", folder, "--dtype", "float64", "--max-new-tokens", "12", "--no-persist", "--temperature", "0.8",
+            "--top-p", "0.95", "--seed", "3")
+    runs = [run_chat(*args, "--method", m, stdin=turns, env=env) for m in ("tr", "ar", "hybrid")]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr
+        assert "[temperature 1.5, top-p 0.95]" in proc.stderr and "[greedy]" in proc.stderr
+        assert "usage: /temperature T" in proc.stderr  # "hot" is refused, the chat goes on
+    assert runs[0].stdout == runs[1].stdout == runs[2].stdout  # same seed: the same answers, whatever the method
+    other = run_chat(*args[:-1], "4", stdin=turns, env=env)
+    assert other.stdout != runs[0].stdout
+    assert_one_line_error(run_chat(*args, "--top-p", "2", stdin="hi\n", env=env), "--top-p")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_reference import hf_logits, load_hf
-from tr_engine.decode import greedy_generate
+from tr_engine.decode import plain_generate
 from tr_engine.kv_cache import KVCache
 from tr_engine.weights import load_model
 
@@ -98,7 +98,7 @@ def test_smollm2_matches_transformers(smollm2, smollm2_hf):
 
     # No EOS stop on either side, so both produce exactly 64 tokens.
     smollm2.cache.reset()
-    ours = greedy_generate(smollm2.model, smollm2.cache, ids, 64, eos_ids=()).token_ids
+    ours = plain_generate(smollm2.model, smollm2.cache, ids, 64, eos_ids=()).token_ids
     with torch.no_grad():
         hf_out = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
                                      pad_token_id=0)[0, 64:].tolist()

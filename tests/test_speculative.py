@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tr_engine import reference
-from tr_engine.decode import greedy_generate
+from tr_engine.decode import plain_generate
 from tr_engine.drafters import Draft, PromptLookup, TokenRecycling
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
@@ -35,7 +35,7 @@ def run(model, method, prompt, n, eos=(), tree=None, seed=False, matrix=None):
     cache = KVCache(model.config, 512, torch.float64, "cpu")
     model.set_max_positions(512)
     if method == "ar":
-        return greedy_generate(model, cache, prompt, n, eos)
+        return plain_generate(model, cache, prompt, n, eos)
     if method == "pld":
         drafter = PromptLookup("cpu", length=6)
     else:
@@ -216,3 +216,15 @@ def test_smollm2_fp32_kernels_references_and_ar_agree_on_the_dev_subset(smollm2,
         tr_reference = reference_engine.generate(prompt, max_new_tokens=32, method="tr").token_ids
         assert tr_kernels == ar, row["question_id"]
         assert tr_reference == ar, row["question_id"]
+
+
+def test_truncate_tree_keeps_a_prefix_that_is_a_tree():
+    from tr_engine.tree import truncate_tree
+
+    full = load_tree("2.2.2")
+    for size in (1, 2, 9, 10, 40, 81):
+        cut, ref = truncate_tree(full, size), build_tree(full.paths[: size - 1])
+        assert cut.size == size and cut.paths == ref.paths and cut.children == ref.children
+        assert cut.levels == ref.levels
+        for name in ("parent", "rank", "depth", "mask"):
+            assert torch.equal(getattr(cut, name), getattr(ref, name)), (size, name)

@@ -122,14 +122,15 @@ class AdaptiveTrees:
         if self._since >= self.refresh:
             self._rank()
         curve = dict(zip(self.cost.buckets, self.cost.curve(prefix)))
+        buckets = [T for T in self.buckets if T in curve]  # a curve measured in a small cache stops early
         charged = {}  # tokens -> cost of the smallest bucket holding them
-        for T in range(self.max_step_tokens, 0, -1):
+        for T in range(buckets[-1], 0, -1):
             charged[T] = curve[T] if T in curve else charged[T + 1]
         chain_cum = [0.0] + list(accumulate(chain))
         best, best_value = (1, 0), 1.0 / charged[1]
-        for T in self.buckets:
+        for T in buckets:
             tree_value = 1.0 + self.cum[min(T - 1, len(self.cum) - 1)]
-            for m in range(0, min(len(chain), self.max_step_tokens - T) + 1):
+            for m in range(0, min(len(chain), buckets[-1] - T) + 1):
                 value = (tree_value + chain_cum[m]) / charged[T + m]
                 if value > best_value:
                     best, best_value = (T, m), value

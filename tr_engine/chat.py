@@ -2,9 +2,9 @@
 
 Streams each answer as its tokens are accepted, keeps the conversation in the model's chat template, reuses the KV
 cache across turns (a new turn prefills only its own tokens), and keeps the recycling matrix across turns and
-sessions (saved per model on exit, loaded at start). At a terminal: /reset /stats /method /help /quit, Ctrl-C stops
-an answer and keeps the conversation, Ctrl-D quits. With stdin not a terminal, each line is a turn and only the
-answers go to stdout (statistics to stderr). User errors print one line and exit with status 2.
+sessions (saved per model on exit, loaded at start). At a terminal: /reset /stats /method /temperature /help /quit,
+Ctrl-C stops an answer and keeps the conversation, Ctrl-D quits. With stdin not a terminal, each line is a turn and
+only the answers go to stdout (statistics to stderr). User errors print one line and exit with status 2.
 """
 
 import argparse
@@ -12,15 +12,17 @@ import sys
 from pathlib import Path
 
 from tr_engine.errors import UserError
-from tr_engine.cli_args import add_engine_args, engine_from_args
+from tr_engine.cli_args import add_engine_args, engine_from_args, sampling_from_args
 from tr_engine.methods import METHODS
 from tr_engine.models import home
 
 HELP = """commands:
   /reset          start a new conversation (the recycling matrix is kept)
   /stats          MAT, tokens/s, accepted-length histogram and time per phase: last answer and session
-  /method M       decode with M: tr (Token Recycling), pld (prompt lookup), hybrid (both) or ar (plain greedy);
+  /method M       decode with M: tr (Token Recycling), pld (prompt lookup), hybrid (both) or ar (plain decoding);
                   same tokens
+  /temperature T  0: greedy; above 0: sample (with --top-k/--top-p as given), the model's distribution whatever
+                  the method
   /help           this list
   /quit           save the matrix and exit (Ctrl-D too)
 Ctrl-C stops the current answer; what it had said stays in the conversation."""
@@ -41,9 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 class Session:
     """One conversation: its messages, the decode method, and the statistics of every answer."""
 
-    def __init__(self, engine, method: str, max_new_tokens: int, system: str | None, seed_from_prompt: bool):
+    def __init__(self, engine, method: str, max_new_tokens: int, system: str | None, seed_from_prompt: bool,
+                 sampling=None):
+        from tr_engine.sampling import GREEDY  # imports torch: after argument parsing, so --help is instant
+
         self.engine, self.method, self.max_new_tokens = engine, method, max_new_tokens
-        self.system, self.seed_from_prompt = system, seed_from_prompt
+        self.system, self.seed_from_prompt, self.sampling = system, seed_from_prompt, sampling or GREEDY
         self.results = []  # GenerateResult of each finished answer, this session
         self.reset()
 
@@ -55,8 +60,10 @@ class Session:
         """Stream the answer to `text` into `out`; the conversation keeps it, interrupted (Ctrl-C) or not."""
         self.messages.append({"role": "user", "content": text})
         pieces = []
+        s = self.sampling
         stream = self.engine.stream(self.messages, self.max_new_tokens, method=self.method,
-                                    seed_from_prompt=self.seed_from_prompt, reuse_cache=True)
+                                    seed_from_prompt=self.seed_from_prompt, reuse_cache=True,
+                                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
         try:
             pieces.append(next(stream))  # the prompt is checked here (context room): a refused turn is not kept
         except StopIteration as done:
@@ -91,7 +98,8 @@ class Session:
         r = self.results[-1]
         g = r.generation
         mat = f", MAT {r.mean_accepted:.2f}" if self.method != "ar" else ""
-        return (f"[{len(g.token_ids)} tokens, {r.tokens_per_s:.1f} tok/s{mat}, {self.method}, "
+        sampled = "" if self.sampling.greedy else f", {self.sampling.describe()}"
+        return (f"[{len(g.token_ids)} tokens, {r.tokens_per_s:.1f} tok/s{mat}, {self.method}{sampled}, "
                 f"prefill {g.prompt_tokens} tokens in {g.prefill_s:.2f}s]")
 
     def stats(self) -> str:
@@ -125,7 +133,7 @@ def describe(title: str, results) -> str:
 def matrix_path(args, engine) -> Path:
     if args.matrix:
         return Path(args.matrix)
-    name = f"{engine.folder.name}-{engine.tokenizer.fingerprint()[:12]}-k{args.topk}.pt"
+    name = f"{engine.folder.name}-{engine.tokenizer.fingerprint()[:12]}-k{args.matrix_k}.pt"
     return home() / "matrices" / name
 
 
@@ -145,6 +153,13 @@ def command(session: Session, line: str) -> bool:
         else:
             session.method = arg.strip()
             print(f"[method {session.method}]", file=sys.stderr)
+    elif word == "/temperature":
+        try:
+            s = session.sampling
+            session.sampling = type(s)(float(arg), s.top_k, s.top_p)
+            print(f"[{session.sampling.describe()}]", file=sys.stderr)
+        except (ValueError, UserError) as e:
+            print(f"usage: /temperature T, a number >= 0 ({e})", file=sys.stderr)
     elif word == "/help":
         print(HELP, file=sys.stderr)
     else:
@@ -210,13 +225,14 @@ def main(argv=None) -> int:
     engine = save_to = None
     status = 0
     try:
+        sampling = sampling_from_args(args)  # bad values are refused before the model loads
         engine = engine_from_args(args)
         if not args.no_persist:
             path = matrix_path(args, engine)
             if path.is_file():
                 engine.load_matrix(path)  # a corrupt file stops here, and is left as it is
             save_to = path
-        session = Session(engine, args.method, args.max_new_tokens, args.system, args.seed_from_prompt)
+        session = Session(engine, args.method, args.max_new_tokens, args.system, args.seed_from_prompt, sampling)
         if args.prompt is not None:
             turn(session, args.prompt, args.quiet)
         elif sys.stdin.isatty():

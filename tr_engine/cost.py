@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from tr_engine.errors import UserError
 from tr_engine.tree import sample_tree_mask
 
 # Verify sizes (tokens, root included) a tree may take, and the ones the cost curve measures. Every size from 1 to 8
@@ -88,22 +87,23 @@ class CostModel:
 
     @classmethod
     def measure(cls, model, cache, key: dict, reps: int = 3) -> "CostModel":
-        room = cache.capacity - BUCKETS[-1]  # a prefix plus the biggest verify must fit in the cache
-        if room < 1:
-            raise UserError(f"--tree adaptive measures verifies of up to {BUCKETS[-1]} tokens, but the KV cache holds "
-                            f"{cache.capacity}; raise --max-context or use --tree 2.2.2")
-        prefixes = tuple(min(p, room) for p in PREFIXES)
+        """Time the buckets that fit twice over in the cache (all of them from 256 slots up), after the PREFIXES
+        clamped to what the biggest leaves. A cache too small for a draft gets a curve of plain steps only."""
+        sizes = tuple(T for T in BUCKETS if T <= cache.capacity // 2)
+        if len(sizes) < 2:
+            return cls((1,), (0, 0), [[1.0], [1.0]], [0.0, 0.0], key)
+        prefixes = tuple(min(p, cache.capacity - sizes[-1]) for p in PREFIXES)
         relative, plain = [], []
         for prefix in prefixes:
-            s = time_steps(model, cache, BUCKETS, prefix, reps)
+            s = time_steps(model, cache, sizes, prefix, reps)
             # A bigger verify never costs less than a smaller one; measured inversions are noise.
             rel, top = [], 0.0
-            for T in BUCKETS:
+            for T in sizes:
                 top = max(top, s[T] / s[1])
                 rel.append(round(top, 4))
             relative.append(rel)
             plain.append(s[1])
-        return cls(BUCKETS, prefixes, relative, plain, key)
+        return cls(sizes, prefixes, relative, plain, key)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +114,8 @@ class CostModel:
 
     @classmethod
     def load(cls, path: Path, key: dict) -> "CostModel | None":
-        """The cached curve at `path` if it was measured for `key` (and the current bucket sizes), else None."""
+        """The cached curve at `path` if it was measured for `key` and every current bucket size, else None (a curve
+        measured in a small cache is measured again: a bigger cache can afford bigger trees)."""
         try:
             d = json.loads(path.read_text())
             if d["key"] != key or tuple(d["buckets"]) != BUCKETS:

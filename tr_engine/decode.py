@@ -1,7 +1,8 @@
-"""Plain greedy decoding with the static KV cache: prefill the prompt, then one token per forward.
+"""Plain decoding with the static KV cache: prefill the prompt, then one token per forward, greedy or sampled.
 
-This is the oracle for losslessness (speculative decoding must emit exactly these tokens) and the baseline every
-speedup is measured against, so it is kept lean: one forward and one host sync per token.
+This is the oracle for losslessness (speculative decoding must emit exactly these tokens, or with sampling exactly
+this distribution) and the baseline every speedup is measured against, so it is kept lean: one forward and one host
+sync per token.
 
 The decode loops are generators: they yield each step's committed tokens as soon as the step is done (streaming),
 and return the Generation. `run_to_end` drives one without streaming. Their `context_ids` are the whole sequence so
@@ -15,6 +16,7 @@ import torch
 
 from tr_engine.kv_cache import KVCache
 from tr_engine.model import Llama
+from tr_engine.sampling import Sampler
 
 
 @dataclass
@@ -62,20 +64,30 @@ def run_to_end(steps) -> Generation:
 
 @torch.inference_mode()
 def decode_step(model: Llama, cache: KVCache, token: torch.Tensor) -> torch.Tensor:
-    """Feed one token (a tensor [], on the cache's device) and commit it; return the next greedy token (tensor [])."""
+    """Feed one token (a tensor [], on the cache's device) and commit it; return the logits [V] after it."""
     position = torch.tensor([cache.length], device=cache.data.device)
     logits = model(token.view(1), position, cache.data, cache.length)  # [1, V]
     cache.length += 1
-    return logits[0].argmax()
+    return logits[0]
 
 
-def greedy_steps(model: Llama, cache: KVCache, context_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]):
-    """Prefill what the cache lacks of `context_ids`, then decode greedily until an EOS id or `max_new_tokens` new
-    tokens, yielding each token as a one-element list. Returns the Generation."""
+def plain_steps(model: Llama, cache: KVCache, context_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...],
+                sampler: Sampler | None = None):
+    """Prefill what the cache lacks of `context_ids`, then decode one token per forward, the argmax or with `sampler`
+    a sample, until an EOS id or `max_new_tokens` new tokens, yielding each token as a one-element list. Returns the
+    Generation."""
     new = uncached(cache, context_ids)
     cache.check_room(len(new) + max_new_tokens, "the prompt plus --max-new-tokens")
+
+    def pick(logits: torch.Tensor, j: int) -> torch.Tensor:
+        # Greedy: a tensor [] that stays on the device until the host needs it. Sampled: the sampler syncs.
+        with torch.inference_mode():
+            if sampler is None:
+                return logits.argmax()
+            return torch.tensor(sampler.draw(logits, j), device=logits.device)
+
     t0 = time.perf_counter()
-    token = prefill(model, cache, new).argmax()  # tensor [], stays on the device until the host needs it
+    token = pick(prefill(model, cache, new), 0)
     t1 = time.perf_counter()
     out, finish = [], "length"
     for _ in range(max_new_tokens):
@@ -87,15 +99,16 @@ def greedy_steps(model: Llama, cache: KVCache, context_ids: list[int], max_new_t
             break
         if len(out) == max_new_tokens:
             break
-        token = decode_step(model, cache, token)
+        token = pick(decode_step(model, cache, token), len(out))
     t2 = time.perf_counter()
     # The last token is never fed back, so it is not in the cache: the next turn's prefill starts with it.
     steps = max(len(out) - 1, 0)
     return Generation(out, finish, len(new), t1 - t0, t2 - t1, steps, [1] * steps, {}, [1] * steps)
 
 
-def greedy_generate(
-    model: Llama, cache: KVCache, context_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]
+def plain_generate(
+    model: Llama, cache: KVCache, context_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...],
+    sampler: Sampler | None = None,
 ) -> Generation:
-    """greedy_steps without streaming."""
-    return run_to_end(greedy_steps(model, cache, context_ids, max_new_tokens, eos_ids))
+    """plain_steps without streaming."""
+    return run_to_end(plain_steps(model, cache, context_ids, max_new_tokens, eos_ids, sampler))

@@ -29,7 +29,6 @@ class TokenRecycling:
 
     def __init__(self, matrix: RecyclingMatrix, tree: DraftTree, adaptive: AdaptiveTrees | None = None):
         self.matrix, self.tree, self.adaptive = matrix, tree.to(matrix.table.device), adaptive
-        self.max_step_tokens = adaptive.max_step_tokens if adaptive else tree.size
         self._root = None
 
     def propose(self, history: list[int]) -> Draft:
@@ -58,7 +57,6 @@ class PromptLookup:
     def __init__(self, device, length: int = 10, max_ngram: int = 3):
         self.device, self.length, self.max_ngram = device, length, max_ngram
         self.chains = [chain_tree(n).to(device) for n in range(length + 1)]
-        self.max_step_tokens = length + 1
 
     def propose(self, history: list[int]) -> Draft:
         draft = self.lookup(history)
@@ -88,7 +86,6 @@ class Hybrid:
     def __init__(self, tr: TokenRecycling, lookup: PromptLookup):
         self.tr, self.lookup = tr, lookup
         self.chain_stats = ChainStats(lookup.length)
-        self.max_step_tokens = tr.max_step_tokens + (0 if tr.adaptive else lookup.length)
         self._chain: list[int] = []
         self._grafted: dict[tuple, DraftTree] = {}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tr_engine.decode import Generation, greedy_steps, run_to_end
+from tr_engine.decode import Generation, plain_steps, run_to_end
 from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.cost import CostModel, cost_key, cost_path
 from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
@@ -23,6 +23,7 @@ from tr_engine.methods import ADAPTIVE, METHODS
 from tr_engine.model import Llama
 from tr_engine.models import home, resolve_model
 from tr_engine.ops import load_ops
+from tr_engine.sampling import GREEDY, Sampler, Sampling
 from tr_engine.speculative import speculative_steps
 from tr_engine.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 from tr_engine.tree import load_tree
@@ -73,8 +74,15 @@ class GenerateResult:
 
 class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, ops: str = "kernels",
-                 tree: str = "2.2.2", topk: int = 8, method: str = "tr"):
+                 tree: str = ADAPTIVE, matrix_k: int = 8, method: str = "tr", seed: int | None = None):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
+        # Sampling's randomness: each sampled call draws its own seed from this stream (or takes the one it is given),
+        # so a seeded engine answers a sequence of calls the same way whatever method each uses.
+        self.rng = torch.Generator()
+        if seed is None:
+            self.rng.seed()
+        else:
+            self.rng.manual_seed(seed)
         self.method = check_method(method)  # the default decode method of generate/stream
         self.ops = load_ops(ops)
         w = model.lm_head.weight
@@ -82,9 +90,9 @@ class Engine:
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, for reuse across a conversation
         model.set_max_positions(max_context)
         # Token Recycling's state: one matrix for the engine's lifetime (hot start across calls).
-        self.matrix = RecyclingMatrix(model.config.vocab_size, topk, w.device, self.ops.recycle_update_)
-        self.tree_spec, self.topk, self.ops_kind = tree, topk, ops
-        self.tree = load_tree("2.2.2" if tree == ADAPTIVE else tree, topk)  # the static tree (adaptive: unused)
+        self.matrix = RecyclingMatrix(model.config.vocab_size, matrix_k, w.device, self.ops.recycle_update_)
+        self.tree_spec, self.matrix_k, self.ops_kind = tree, matrix_k, ops
+        self.tree = load_tree("2.2.2" if tree == ADAPTIVE else tree, matrix_k)  # the static tree (adaptive: unused)
         self._cost: CostModel | None = None
         self.drafters = {m: self.new_drafter(m, matrix=self.matrix) for m in ("tr", "pld", "hybrid")}
 
@@ -98,7 +106,7 @@ class Engine:
             raise UserError(f"no drafter for method {method!r}; choose tr, pld or hybrid")
         tree = tree or self.tree_spec
         if matrix is None:
-            matrix = RecyclingMatrix(self.model.config.vocab_size, self.topk, self.cache.data.device,
+            matrix = RecyclingMatrix(self.model.config.vocab_size, self.matrix_k, self.cache.data.device,
                                      self.ops.recycle_update_)
         adaptive = AdaptiveTrees(matrix.k, None, device=self.cache.data.device) if tree == ADAPTIVE else None
         static = self.tree if tree in (self.tree_spec, ADAPTIVE) else load_tree(tree, matrix.k)
@@ -143,9 +151,10 @@ class Engine:
         model_dir: str | None = None,
         ops: str = "kernels",
         threads: int | None = None,
-        tree: str = "2.2.2",
-        topk: int = 8,
+        tree: str = ADAPTIVE,
+        matrix_k: int = 8,
         method: str = "tr",
+        seed: int | None = None,
     ) -> "Engine":
         if threads:
             torch.set_num_threads(threads)
@@ -157,7 +166,8 @@ class Engine:
         if max_context is not None and not 1 <= max_context <= limit:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
-        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops, tree, topk, method)
+        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops, tree, matrix_k, method,
+                   seed)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages."""
@@ -178,29 +188,34 @@ class Engine:
         loaded = RecyclingMatrix.load(path, self.model.config.vocab_size, self.tokenizer.fingerprint(),
                                       self.matrix.table.device)
         if loaded.k != self.matrix.k:
-            raise UserError(f"{path} keeps {loaded.k} candidates per token but --topk is {self.matrix.k}; "
-                            "pass the matching --topk or use another --matrix file")
+            raise UserError(f"{path} keeps {loaded.k} candidates per token but --matrix-k is {self.matrix.k}; "
+                            "pass the matching --matrix-k or use another --matrix file")
         self.matrix.table.copy_(loaded.table)
 
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
                  method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False,
-                 drafter=None) -> GenerateResult:
-        """Answer a prompt (a string, or a conversation as messages): `method` "ar" (plain greedy), "tr" (Token
+                 drafter=None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None) -> GenerateResult:
+        """Answer a prompt (a string, or a conversation as messages): `method` "ar" (plain decoding), "tr" (Token
         Recycling), "pld" (prompt lookup) or "hybrid" (both in one tree), default the engine's; all emit the same
-        tokens. `drafter` (from new_drafter) overrides `method`. The recycling matrix persists across calls. With
-        `reuse_cache`, the part of the prompt the cache already holds (the earlier turns of a conversation, with
-        their answers) is not computed again; otherwise every call starts from an empty cache."""
+        tokens, greedy (temperature 0, the default) or sampled from the model's distribution (temperature, top_k,
+        top_p; `seed` fixes this call's draws, else they come from the engine's seeded stream). `drafter` (from
+        new_drafter) overrides `method`. The recycling matrix persists across calls. With `reuse_cache`, the part of
+        the prompt the cache already holds (the earlier turns of a conversation, with their answers) is not computed
+        again; otherwise every call starts from an empty cache."""
         return run_to_end(self.stream(prompt, max_new_tokens, chat_template, method, seed_from_prompt, reuse_cache,
-                                      drafter))
+                                      drafter, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
 
     def stream(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
-               method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None):
+               method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None,
+               *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
         """Like generate, yielding the answer's text as it is accepted (whole characters only); returns the
         GenerateResult (`result = yield from engine.stream(…)`, or StopIteration.value)."""
+        sampling = Sampling(temperature, top_k, top_p)
         ids = self.prompt_ids(prompt, chat_template)
         decoder = StreamDecoder(self.tokenizer, ids)
         eos = self.tokenizer.eos_ids
-        steps = self.decode_steps(ids, max_new_tokens, method, seed_from_prompt, reuse_cache, drafter)
+        steps = self.decode_steps(ids, max_new_tokens, method, seed_from_prompt, reuse_cache, drafter, sampling, seed)
         while True:
             try:
                 committed = next(steps)
@@ -217,10 +232,12 @@ class Engine:
         return GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, ids, gen)
 
     def decode_steps(self, ids: list[int], max_new_tokens: int, method: str | None = None,
-                     seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None):
+                     seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None,
+                     sampling: Sampling = GREEDY, seed: int | None = None):
         """The decode loop for prompt token ids: yields each step's committed ids, returns the Generation."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        sampler = self.sampler(sampling, max_new_tokens, seed)
         method = drafter.name if drafter is not None else check_method(method or self.method)
         if method != "ar":
             drafter = drafter or self.drafters[method]
@@ -232,14 +249,23 @@ class Engine:
         self.cached_ids = []  # unknown until the loop finishes (an interrupted loop leaves nothing to reuse)
         eos = self.tokenizer.eos_ids
         if method == "ar":
-            gen = yield from greedy_steps(self.model, self.cache, ids, max_new_tokens, eos)
+            gen = yield from plain_steps(self.model, self.cache, ids, max_new_tokens, eos, sampler)
         else:
             matrix = getattr(drafter, "matrix", None)
-            seed = matrix.seed_ if seed_from_prompt and matrix is not None else None
+            seed_fn = matrix.seed_ if seed_from_prompt and matrix is not None else None
             gen = yield from speculative_steps(self.model, self.cache, ids, drafter, max_new_tokens, eos,
-                                               self.ops.compact_kv_, seed)
+                                               self.ops.compact_kv_, seed_fn, sampler)
         self.cached_ids = (ids + gen.token_ids)[: self.cache.length]
         return gen
+
+    def sampler(self, sampling: Sampling, max_new_tokens: int, seed: int | None = None) -> Sampler | None:
+        """The draws of one sampled call (None when greedy): from `seed`, else from a seed taken off the engine's
+        stream, one per call whatever the method, so seeded runs repeat exactly."""
+        if sampling.greedy:
+            return None
+        if seed is None:
+            seed = int(torch.randint(2**62, (1,), generator=self.rng))
+        return Sampler(sampling, torch.Generator().manual_seed(seed), max_new_tokens)
 
     def reset_cache(self) -> None:
         """Forget the cached conversation (the next call prefills its whole prompt)."""

@@ -1,7 +1,8 @@
 """One-shot generation from the command line:
 
     python -m tr_engine.generate --model NAME_OR_PATH --prompt TEXT [--max-new-tokens N] [--dtype D] [--json]
-        [--method tr|pld|ar] [--tree 2.2.2|FILE] [--topk K] [--seed-from-prompt] [--matrix FILE]
+        [--method tr|pld|hybrid|ar] [--tree 2.2.2|adaptive|FILE] [--matrix-k K] [--seed-from-prompt] [--matrix FILE]
+        [--temperature T] [--top-k K] [--top-p P] [--seed S]
 
 The model's chat template is applied unless --no-template. User errors print one line and exit with status 2.
 """
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 from tr_engine.errors import UserError
-from tr_engine.cli_args import add_engine_args, engine_from_args
+from tr_engine.cli_args import add_engine_args, engine_from_args, sampling_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,11 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        sampling = sampling_from_args(args)
         engine = engine_from_args(args)
         if args.matrix and Path(args.matrix).is_file():
             engine.load_matrix(args.matrix)
         result = engine.generate(args.prompt, args.max_new_tokens, chat_template=not args.no_template,
-                                 method=args.method, seed_from_prompt=args.seed_from_prompt)
+                                 method=args.method, seed_from_prompt=args.seed_from_prompt,
+                                 temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
         if args.matrix:
             engine.save_matrix(args.matrix)
     except UserError as e:

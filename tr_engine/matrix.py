@@ -21,7 +21,7 @@ class RecyclingMatrix:
 
     def __init__(self, vocab_size: int, k: int = 8, device="cpu", update=reference.recycle_update_):
         if k < 1:
-            raise UserError(f"--topk must be at least 1, got {k}")
+            raise UserError(f"--matrix-k must be at least 1, got {k}")
         self.table = torch.zeros(vocab_size, k, dtype=torch.long, device=device)  # [V, k] token ids
         self.update = update
 

@@ -2,7 +2,9 @@
 
 Lossless by construction: a drafted token is kept only if it equals the model's own greedy choice at its parent, and
 every step also commits the model's next token after the last kept one, so the output is exactly plain greedy
-decoding's (tests/test_speculative.py holds it to that).
+decoding's (tests/test_speculative.py holds it to that). With sampling, the choice at each node is the model's
+sample there instead of its argmax (accept_sampled; tr_engine/sampling.py says why that is exactly the model's
+distribution, and tests/test_sampling.py tests it).
 
 Cache invariant: slots 0..L-1 hold every committed token but the last one (the root of the next step).
 """
@@ -15,6 +17,8 @@ from tr_engine.decode import Generation, prefill, run_to_end, uncached
 from tr_engine.drafters import Draft
 from tr_engine.kv_cache import KVCache
 from tr_engine.model import Llama
+from tr_engine.sampling import Sampler
+from tr_engine.tree import truncate_tree
 
 
 def verify(model: Llama, cache: KVCache, draft: Draft) -> torch.Tensor:
@@ -40,6 +44,30 @@ def accept(draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[int]]:
     return path, [tokens[i] for i in path] + [predicted[node]]
 
 
+def accept_sampled(draft: Draft, logits: torch.Tensor, sampler: Sampler, j: int) -> tuple[list[int], list[int]]:
+    """Sampled acceptance, for the step whose first new token is the generation's j-th: from the root, draw the
+    node's sample (the (j + depth)-th) and descend to the child drafted with it, while there is one; the last sample,
+    which no child drafted, is the bonus token. One sample per node on the path, shared by every branch below it."""
+    tokens = draft.tokens.tolist()
+    path, node = [], 0
+    while True:
+        x = sampler.draw(logits[node], j + len(path))
+        child = next((c for c in draft.tree.children[node] if tokens[c] == x), None)
+        if child is None:
+            return path, [tokens[i] for i in path] + [x]
+        path.append(child)
+        node = child
+
+
+def fits(draft: Draft, cache: KVCache) -> Draft:
+    """The draft, or its first tokens when the whole tree would run past the cache's end (a verify step writes its
+    tokens' K/V after the committed ones before compaction). While decoding, at least the root and one node fit."""
+    room = cache.capacity - cache.length
+    if draft.tree.size <= room:
+        return draft
+    return Draft(truncate_tree(draft.tree, room), draft.tokens[:room])
+
+
 def compact(cache: KVCache, path: list[int], compact_kv_) -> None:
     """Keep the root's and the accepted nodes' K/V, contiguous after the prefix; the rest of the tree is dropped."""
     L = cache.length
@@ -58,14 +86,14 @@ def speculative_steps(
     eos_ids: tuple[int, ...],
     compact_kv_,
     seed_matrix=None,
+    sampler: Sampler | None = None,
 ):
-    """Like greedy_steps, committing 1..depth+1 tokens per forward and yielding each step's committed tokens.
-    `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every prefilled position (Token Recycling's
-    optional prompt seeding). Returns the Generation."""
+    """Like plain_steps, committing 1..depth+1 tokens per forward and yielding each step's committed tokens, greedy
+    or, with `sampler`, sampled. `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every
+    prefilled position (Token Recycling's optional prompt seeding). Returns the Generation."""
     new = uncached(cache, context_ids)
-    # A verify step writes up to max_step_tokens slots past the committed ones before compaction.
-    cache.check_room(len(new) + max_new_tokens + drafter.max_step_tokens,
-                     f"the prompt plus --max-new-tokens plus a {drafter.max_step_tokens}-token draft")
+    # The same room as plain decoding: near the end of the cache a draft is cut to the slots left (fits below).
+    cache.check_room(len(new) + max_new_tokens, "the prompt plus --max-new-tokens")
     t0 = time.perf_counter()
     if seed_matrix is not None:
         logits_all = prefill(model, cache, new, all_logits=True)  # [T, V]
@@ -74,7 +102,8 @@ def speculative_steps(
     else:
         first = prefill(model, cache, new)
     t1 = time.perf_counter()
-    out = [int(first.argmax())]
+    with torch.inference_mode():
+        out = [int(first.argmax()) if sampler is None else sampler.draw(first, 0)]
     yield list(out)
     history = list(context_ids) + out
     accept_lengths, verify_tokens = [], []
@@ -85,11 +114,14 @@ def speculative_steps(
     while not finished:
         with torch.inference_mode():
             ta = clock()
-            draft = drafter.propose(history)  # retrieve
+            draft = fits(drafter.propose(history), cache)  # retrieve
             tb = clock()
             logits = verify(model, cache, draft)  # verify
             tc = clock()
-            path, committed = accept(draft, logits)  # accept
+            if sampler is None:
+                path, committed = accept(draft, logits)  # accept
+            else:
+                path, committed = accept_sampled(draft, logits, sampler, len(out))
             td = clock()
             compact(cache, path, compact_kv_)
             te = clock()
@@ -118,7 +150,7 @@ def speculative_steps(
 
 
 def speculative_generate(model, cache, context_ids, drafter, max_new_tokens, eos_ids, compact_kv_,
-                         seed_matrix=None) -> Generation:
+                         seed_matrix=None, sampler: Sampler | None = None) -> Generation:
     """speculative_steps without streaming."""
     return run_to_end(speculative_steps(model, cache, context_ids, drafter, max_new_tokens, eos_ids, compact_kv_,
-                                        seed_matrix))
+                                        seed_matrix, sampler))

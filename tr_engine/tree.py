@@ -48,7 +48,7 @@ def build_tree(paths, k: int | None = None) -> DraftTree:
             raise UserError(f"draft tree node {list(p)} appears twice; remove the duplicate")
         if min(p) < 0 or (k is not None and max(p) >= k):
             raise UserError(f"draft tree node {list(p)} uses rank {max(p)}, but the matrix keeps only k = {k} "
-                            f"candidates per token; raise --topk or change the tree")
+                            f"candidates per token; raise --matrix-k or change the tree")
         seen.add(p)
     for p in paths:
         if len(p) > 1 and p[:-1] not in seen:
@@ -116,6 +116,15 @@ def graft_chain(tree: DraftTree, at: int, length: int) -> DraftTree:
                     as_long(tree.depth.tolist() + list(range(depth0 + 1, depth0 + length + 1))), mask, tree.levels,
                     tuple(map(tuple, children)))
     return out.to(tree.parent.device)
+
+
+def truncate_tree(tree: DraftTree, size: int) -> DraftTree:
+    """The tree's first `size` tokens (root included): a tree again, since every parent comes before its children.
+    For a verify step near the end of the cache, when the whole tree does not fit."""
+    keep = lambda xs: tuple(x for x in xs if x < size)  # noqa: E731
+    levels = tuple((a, min(b, size)) for a, b in tree.levels if a < size)
+    return DraftTree(tree.paths[: size - 1], tree.parent[:size], tree.rank[:size], tree.depth[:size],
+                     tree.mask[:size, :size].contiguous(), levels, tuple(keep(c) for c in tree.children[:size]))
 
 
 def chain_tree(length: int) -> DraftTree:

@@ -1,0 +1,321 @@
+"""Sampling (tr_engine/sampling.py, accept_sampled): the processed distribution is the usual one, sampling over a
+draft tree gives exactly the model's distribution (a chi-square test against the exact distribution of the first three
+tokens, with a biased sampler that must fail it), a seed gives the same tokens with or without drafting, and
+temperature 0 is greedy."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tr_engine import reference, speculative
+from tr_engine.adaptive import AdaptiveTrees
+from tr_engine.decode import plain_generate, prefill
+from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
+from tr_engine.errors import UserError
+from tr_engine.kv_cache import KVCache
+from tr_engine.matrix import RecyclingMatrix
+from tr_engine.sampling import Sampler, Sampling, probabilities, sample
+from tr_engine.speculative import speculative_generate
+from tr_engine.tree import load_tree
+from tr_engine.weights import load_model
+from tests.test_adaptive import CPU_LIKE, FREE
+
+SMALL_VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    folder = tiny_factory("spec", dtype=torch.float64, vocab_size=300, std=0.5)
+    return load_model(folder, torch.float64)
+
+
+@pytest.fixture(scope="module")
+def small(tiny_factory):
+    """A float64 tiny Llama with a 16-token vocabulary: the tokenizer's folder, its embeddings and LM head cut to
+    the first 16 ids (the tests feed ids, so the tokenizer is not used)."""
+    folder = tiny_factory("small-vocab", dtype=torch.float64, std=0.5, seed=7)
+    config = json.loads((folder / "config.json").read_text())
+    if config["vocab_size"] != SMALL_VOCAB:
+        config["vocab_size"] = SMALL_VOCAB
+        (folder / "config.json").write_text(json.dumps(config))
+        weights = load_file(folder / "model.safetensors")
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            weights[name] = weights[name][:SMALL_VOCAB].contiguous()
+        save_file(weights, folder / "model.safetensors")
+    return load_model(folder, torch.float64)
+
+
+# --- the processed distribution -------------------------------------------------------------------------------------
+
+
+def test_probabilities_follow_temperature_top_k_and_top_p():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=g, dtype=torch.float64) * 3
+    assert torch.allclose(probabilities(logits, Sampling(0.7)), torch.softmax(logits / 0.7, 0))
+    p = probabilities(logits, Sampling(1.0, top_k=10))
+    top = torch.topk(logits, 10).indices
+    assert set(p.nonzero().flatten().tolist()) == set(top.tolist())
+    assert torch.allclose(p[top] / p.sum(), torch.softmax(logits[top], 0))
+    # top-p: the smallest most-likely set holding >= top_p, by the definition written out.
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        full = torch.softmax(logits, 0)
+        order = full.argsort(descending=True).tolist()
+        kept, mass = set(), 0.0
+        for i in order:
+            if mass >= top_p:
+                break
+            kept.add(i)
+            mass += float(full[i])
+        got = probabilities(logits, Sampling(1.0, top_p=top_p))
+        assert set(got.nonzero().flatten().tolist()) == kept, top_p
+        assert torch.allclose(got[list(kept)], full[list(kept)])
+    flat = torch.zeros(5000, dtype=torch.float64)  # the nucleus needs more than the first 1024 candidates
+    assert int((probabilities(flat, Sampling(1.0, top_p=0.4999)) > 0).sum()) == 2500
+
+
+def test_top_k_and_top_p_match_transformers_warpers():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        logits = torch.randn(1, 300, generator=g) * 2
+        for s in (Sampling(0.8, top_k=7), Sampling(1.0, top_p=0.9), Sampling(0.5, top_k=50, top_p=0.8)):
+            z = logits / s.temperature
+            if s.top_k:
+                z = TopKLogitsWarper(s.top_k)(None, z)
+            if s.top_p < 1:
+                z = TopPLogitsWarper(s.top_p)(None, z)
+            hf = torch.softmax(z, -1)[0]
+            ours = probabilities(logits[0], s)
+            assert torch.allclose(ours / ours.sum(), hf, atol=1e-6), s
+
+
+def test_inverse_transform_sampling():
+    p = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3], dtype=torch.float64)
+    assert [sample(p, u) for u in (0.0, 0.19, 0.2, 0.69, 0.7, 0.999999)] == [1, 1, 3, 3, 4, 4]
+    assert sample(p * 4, 0.5) == 3  # unnormalised is fine
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), 0.0) == 2  # a zero-probability token is never drawn
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(temperature=1, top_k=-1), dict(temperature=1, top_p=0),
+                                    dict(temperature=1, top_p=1.5), dict(temperature=float("nan"))])
+def test_bad_sampling_settings_are_user_errors(kwargs):
+    with pytest.raises(UserError, match="--t"):
+        Sampling(**kwargs)
+
+
+def test_the_uniform_stream_does_not_depend_on_how_far_ahead_it_is_read():
+    a = Sampler(Sampling(1.0), torch.Generator().manual_seed(3), expected=10)
+    b = Sampler(Sampling(1.0), torch.Generator().manual_seed(3), expected=10)
+    late = a.uniform(300)  # extends in chunks that depend only on the length so far
+    assert [b.uniform(j) for j in range(301)] == a.uniforms[:301] and b.uniform(300) == late
+
+
+# --- over draft trees -----------------------------------------------------------------------------------------------
+
+
+def run(model, drafter, prompt, n, sampling, seed, eos=()):
+    cache = KVCache(model.config, 512, torch.float64, "cpu")
+    model.set_max_positions(512)
+    sampler = Sampler(sampling, torch.Generator().manual_seed(seed), n) if not sampling.greedy else None
+    if drafter is None:
+        return plain_generate(model, cache, prompt, n, eos, sampler)
+    return speculative_generate(model, cache, prompt, drafter, n, eos, reference.compact_kv_, None, sampler)
+
+
+def make_drafter(kind: str, vocab: int):
+    matrix = RecyclingMatrix(vocab, 8)
+    if kind == "pld":
+        return PromptLookup("cpu", length=6)
+    adaptive = {"tr": None, "tr-adaptive": AdaptiveTrees(8, CPU_LIKE), "hybrid": AdaptiveTrees(8, FREE)}[kind]
+    tr = TokenRecycling(matrix, load_tree("2.2.2"), adaptive)
+    return Hybrid(tr, PromptLookup("cpu", length=6)) if kind == "hybrid" else tr
+
+
+@pytest.mark.parametrize("kind", ["tr", "tr-adaptive", "pld", "hybrid"])
+@pytest.mark.parametrize("sampling", [Sampling(0.5), Sampling(1.0, top_p=0.9), Sampling(1.0, top_k=20)],
+                         ids=["t0.5", "t1-p0.9", "t1-k20"])
+def test_a_seed_gives_plain_samplings_tokens_with_any_drafter(tiny, kind, sampling):
+    """Each committed token is the draw of its position, with or without drafts: same seed, same tokens."""
+    g = torch.Generator().manual_seed(11)
+    d = make_drafter(kind, tiny.config.vocab_size)  # hot across prompts
+    longer = 0
+    for i in range(20):
+        # Repeated prompts make drafts come true often (prompt lookup copies them; the matrix learns them).
+        prompt = torch.randint(0, 300, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g).tolist() * 3
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        plain = run(tiny, None, prompt, n, sampling, seed=i)
+        eos = (plain.token_ids[len(plain.token_ids) // 2],) if i % 3 == 0 else ()
+        plain = run(tiny, None, prompt, n, sampling, seed=i, eos=eos)
+        drafted = run(tiny, d, prompt, n, sampling, seed=i, eos=eos)
+        assert drafted.token_ids == plain.token_ids, (kind, i)
+        assert drafted.finish_reason == plain.finish_reason
+        longer += any(a > 1 for a in drafted.accept_lengths)
+    assert longer >= 3  # drafts were accepted, so the tree walk was exercised
+
+
+def exact_first_tokens(model, prompt, sampling, depth=3) -> dict[tuple, float]:
+    """The exact probability of every sequence of the first `depth` new tokens, by enumeration."""
+    model.set_max_positions(64)
+
+    def next_probs(prefix):
+        cache = KVCache(model.config, 64, torch.float64, "cpu")
+        p = probabilities(prefill(model, cache, prompt + list(prefix)), sampling)
+        return p / p.sum()
+
+    dist, frontier = {}, [((), 1.0)]
+    for _ in range(depth):
+        nxt = []
+        for prefix, mass in frontier:
+            p = next_probs(prefix)
+            nxt += [(prefix + (t,), mass * float(p[t])) for t in p.nonzero().flatten().tolist()]
+        frontier = nxt
+    return dict(frontier)
+
+
+def distribution_p_value(counts: dict[tuple, int], exact: dict[tuple, float], n: int) -> float:
+    """How likely samples this far from the exact distribution are, two ways, Bonferroni-corrected: Pearson's
+    chi-square over whole sequences (cells expected below 5 pooled into one), and a z-test of every token's
+    frequency at every position (which a shift in one token's probability cannot hide in)."""
+    assert sum(counts.values()) == n and set(counts) <= set(exact)  # nothing outside the support
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for seq, p in exact.items():
+        e, o = n * p, counts.get(seq, 0)
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+        else:
+            stat, cells = stat + (o - e) ** 2 / e, cells + 1
+    if pooled_exp > 0:
+        stat, cells = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, cells + 1
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    p_values = [float(torch.special.gammaincc(f64((cells - 1) / 2), f64(stat / 2)))]
+    depth = len(next(iter(exact)))
+    for pos in range(depth):
+        marginal, observed = {}, {}
+        for seq, p in exact.items():
+            marginal[seq[pos]] = marginal.get(seq[pos], 0.0) + p
+        for seq, c in counts.items():
+            observed[seq[pos]] = observed.get(seq[pos], 0) + c
+        for token, p in marginal.items():
+            if n * p * (1 - p) >= 10:  # where the normal approximation holds; rarer tokens are in the chi-square
+                z = abs(observed.get(token, 0) / n - p) / math.sqrt(p * (1 - p) / n)
+                p_values.append(math.erfc(z / math.sqrt(2)))
+    return min(1.0, min(p_values) * len(p_values))
+
+
+# Runs of 3 tokens per setting: a shift of 0.05 in one token's probability at one position is >= 7.1 standard errors
+# (at p = 0.5, the worst case), well beyond the ~4.4 that the Bonferroni-corrected 1e-3 level needs.
+SAMPLES = 5000
+
+
+def tree_samples(model, sampling, prompt, n=SAMPLES) -> tuple[dict[tuple, int], float]:
+    """Counts of the first three tokens over n seeded runs of Token Recycling with the paper's tree, hot matrix."""
+    d = make_drafter("tr", model.config.vocab_size)
+    counts, steps, tokens = {}, 0, 0
+    for seed in range(n):
+        gen = run(model, d, prompt, 3, sampling, seed=10_000 + seed)
+        key = tuple(gen.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        steps, tokens = steps + gen.steps, tokens + len(gen.token_ids) - 1
+    return counts, tokens / max(steps, 1)
+
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.5), Sampling(1.0), Sampling(1.0, top_p=0.9)],
+                         ids=["t0.5", "t1", "t1-p0.9"])
+def test_tree_sampling_has_the_models_distribution(small, sampling):
+    exact = exact_first_tokens(small, PROMPT, sampling)
+    counts, mat = tree_samples(small, sampling, PROMPT)
+    assert mat > 1.3  # most steps accept a draft: the distribution comes through the tree walk
+    p = distribution_p_value(counts, exact, SAMPLES)
+    assert p > 1e-3, f"p = {p:.2e}"
+
+
+def naive_accept(draft, logits, sampler, j):
+    """A classic mistake: accept each drafted child with its own probability, else sample afresh at the node."""
+    tokens = draft.tokens.tolist()
+    rng = torch.Generator().manual_seed(int(sampler.uniform(j) * 2**40))
+    path, node = [], 0
+    while True:
+        p = probabilities(logits[node], sampler.sampling)
+        p = p / p.sum()
+        child = next((c for c in draft.tree.children[node] if float(torch.rand(1, generator=rng)) < float(p[tokens[c]])),
+                     None)
+        if child is None:
+            return path, [tokens[i] for i in path] + [sampler.draw(logits[node], j + len(path))]
+        path.append(child)
+        node = child
+
+
+def test_a_biased_tree_sampler_fails_the_same_test(small, monkeypatch):
+    sampling = Sampling(1.0)
+    monkeypatch.setattr(speculative, "accept_sampled", naive_accept)
+    exact = exact_first_tokens(small, PROMPT, sampling)
+    counts, _ = tree_samples(small, sampling, PROMPT)
+    assert distribution_p_value(counts, exact, SAMPLES) < 1e-6
+
+
+def test_the_test_sees_a_five_point_shift_in_one_tokens_probability(small):
+    """Power without the model: draw SAMPLES sequences from the exact distribution with one first token's
+    probability raised by 0.05 (the rest scaled down), for every first token in turn; every one is rejected."""
+    sampling = Sampling(1.0)
+    exact = exact_first_tokens(small, PROMPT, sampling)
+    seqs = list(exact)
+    probs = torch.tensor([exact[s] for s in seqs], dtype=torch.float64)
+    first = {}
+    for i, s in enumerate(seqs):
+        first.setdefault(s[0], []).append(i)
+    g = torch.Generator().manual_seed(0)
+    tested = 0
+    for token, idx in first.items():
+        mass = float(probs[idx].sum())
+        if mass > 0.95:
+            continue
+        shifted = probs * (1 - 0.05) / (1 - mass)
+        shifted[idx] = probs[idx] * (mass + 0.05) / mass
+        draws = torch.multinomial(shifted, SAMPLES, replacement=True, generator=g).tolist()
+        counts = {}
+        for i in draws:
+            counts[seqs[i]] = counts.get(seqs[i], 0) + 1
+        assert distribution_p_value(counts, exact, SAMPLES) < 1e-3, token
+        tested += 1
+    assert tested >= 10
+    fair = torch.multinomial(probs, SAMPLES, replacement=True, generator=g).tolist()  # and a fair draw passes
+    counts = {}
+    for i in fair:
+        counts[seqs[i]] = counts.get(seqs[i], 0) + 1
+    assert distribution_p_value(counts, exact, SAMPLES) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_factory):
+    from tr_engine.engine import Engine
+
+    return Engine.from_pretrained(str(tiny_factory("float32", dtype=torch.float64)), dtype="float64", seed=5)
+
+
+@pytest.mark.parametrize("method", ["ar", "tr", "pld", "hybrid"])
+def test_temperature_zero_is_greedy(engine, method):
+    greedy = engine.generate("hello there", 24, method="ar").token_ids
+    assert engine.generate("hello there", 24, method=method, temperature=0.0, top_k=3, top_p=0.5).token_ids == greedy
+
+
+def test_engine_sampling_is_seeded_and_method_independent(engine):
+    kw = dict(temperature=1.0, top_p=0.95)
+    by_method = {m: engine.generate("tell me a story", 32, method=m, seed=7, **kw).token_ids
+                 for m in ("ar", "tr", "pld", "hybrid")}
+    assert len(set(map(tuple, by_method.values()))) == 1, by_method
+    assert engine.generate("tell me a story", 32, method="tr", seed=8, **kw).token_ids != by_method["ar"]
+    # Without a per-call seed, calls draw their seeds from the engine's stream: a same-seeded engine repeats them.
+    from tr_engine.engine import Engine
+
+    twin = Engine(engine.model, engine.tokenizer, engine.folder, 512, seed=5)
+    again = Engine(engine.model, engine.tokenizer, engine.folder, 512, seed=5)
+    first = [twin.generate("hi", 16, method=m, **kw).token_ids for m in ("ar", "tr", "ar")]
+    second = [again.generate("hi", 16, method=m, **kw).token_ids for m in ("tr", "ar", "hybrid")]
+    assert first == second
