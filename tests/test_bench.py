@@ -55,3 +55,26 @@ def test_specbench_adaptive_methods_report_their_tree_sizes(tiny_factory, tmp_pa
     assert "Tokens per verify" in summary and "| hybrid |" in summary and "tree_sizes.png" in summary
     assert (out / "tree_sizes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list((home / "costs").glob("*.json"))) == 1  # calibrated once, shared by both methods
+
+
+def test_specbench_sampling_uses_one_seed_per_turn_for_every_method(tiny_factory, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [t]}) + "\n"
+                                 for i, t in enumerate(["Who are you?", "Say something.", "Why?"])))
+    out = tmp_path / "out"
+    args = ("bench.specbench", "--model", str(tiny_factory("bench", dtype=torch.float64)), "--dtype", "float64",
+            "--questions", str(questions), "--methods", "tr", "pld", "--max-new-tokens", "10", "--warmup", "1",
+            "--threads", "1", "--temperature", "0.9", "--top-p", "0.95", "--seed", "4")
+    proc = run_module(*args, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert all(r["identical"] for r in records)  # float64, same draws: every method samples plain sampling's tokens
+    summary = (out / "summary.md").read_text()
+    assert "sampled (temperature 0.9, top-p 0.95" in summary and "over our own plain sampling" in summary
+    assert "geo-mean" in summary
+    again = tmp_path / "again"
+    assert run_module(*args, "--out", str(again)).returncode == 0
+    tokens = lambda d: [r["new_tokens"] for r in map(json.loads, (d / "results.jsonl").read_text().splitlines())]  # noqa: E731
+    assert tokens(again) == tokens(out)  # seeded: the run repeats
+    refused = run_module(*args, "--methods", "hf-ar", "--out", str(tmp_path / "x"))
+    assert refused.returncode == 2 and "greedy only" in refused.stderr
