@@ -5,6 +5,7 @@ import os
 import pty
 import re
 import select
+import signal
 import sys
 import time
 
@@ -150,6 +151,7 @@ def test_matrix_is_saved_on_exit_and_loaded_at_start(tmp_path, smollm2_dir):
 def test_ctrl_c_stops_the_answer_and_the_session_goes_on():
     pid, fd = pty.fork()
     if pid == 0:  # the child: the chat, with the pseudo-terminal as its terminal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a runner that ignores SIGINT would pass that on to the chat
         os.execvp(sys.executable, [sys.executable, "-m", "tr_engine.chat", "--method", "ar", "--no-persist",
                                    "--max-new-tokens", "400"])
     seen = ""
@@ -249,6 +251,8 @@ def test_sampled_chat_is_seeded_and_the_temperature_can_change(tiny_factory, tmp
         assert "[temperature 1.5, top-p 0.95]" in proc.stderr and "[greedy]" in proc.stderr
         assert "usage: /temperature T" in proc.stderr  # "hot" is refused, the chat goes on
     assert runs[0].stdout == runs[1].stdout == runs[2].stdout  # same seed: the same answers, whatever the method
+    notice = "measuring this machine's verify cost"
+    assert runs[0].stderr.count(notice) == 1 and notice not in runs[2].stderr  # measured once, then cached
     other = run_chat(*args[:-1], "4", stdin=turns, env=env)
     assert other.stdout != runs[0].stdout
     assert_one_line_error(run_chat(*args, "--top-p", "2", stdin="hi\n", env=env), "--top-p")

@@ -48,9 +48,9 @@ def engine_from_args(args):
 
     engine = Engine.from_pretrained(args.model, args.device, args.dtype, args.max_context, args.model_dir, args.ops,
                                     args.threads, args.tree, args.matrix_k, args.method, args.seed)
-    if args.tree == ADAPTIVE and args.method in ("tr", "hybrid"):
-        if args.recalibrate or not engine.has_cost_model():
-            print("measuring this machine's verify cost for the adaptive tree (once; cached)...", file=sys.stderr,
-                  flush=True)
-        engine.cost_model(recalibrate=args.recalibrate)
+    if args.tree == ADAPTIVE:  # measured at the first adaptive step (or now, on --recalibrate), with a notice
+        engine.on_calibrate = lambda: print("measuring this machine's verify cost for the adaptive tree (once; "
+                                            "cached)...", file=sys.stderr, flush=True)
+        if args.recalibrate:
+            engine.cost_model(recalibrate=True)
     return engine

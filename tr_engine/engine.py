@@ -94,6 +94,7 @@ class Engine:
         self.tree_spec, self.matrix_k, self.ops_kind = tree, matrix_k, ops
         self.tree = load_tree("2.2.2" if tree == ADAPTIVE else tree, matrix_k)  # the static tree (adaptive: unused)
         self._cost: CostModel | None = None
+        self.on_calibrate = None  # called (no arguments) just before the cost curve is measured: a notice, say
         self.drafters = {m: self.new_drafter(m, matrix=self.matrix) for m in ("tr", "pld", "hybrid")}
 
     def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None):
@@ -118,11 +119,6 @@ class Engine:
         key = cost_key(self.folder.name, w.dtype, w.device, self.ops_kind)
         return key, cost_path(home(), key)
 
-    def has_cost_model(self) -> bool:
-        """Whether cost_model() can answer without measuring."""
-        key, path = self._cost_location()
-        return self._cost is not None or CostModel.load(path, key) is not None
-
     def cost_model(self, recalibrate: bool = False) -> CostModel:
         """The verify cost curve of this model, dtype, device and thread count (tr_engine/cost.py): loaded from
         $TR_ENGINE_HOME/costs/, or measured now (a few seconds; it overwrites the KV cache, so the next call
@@ -132,6 +128,8 @@ class Engine:
         key, path = self._cost_location()
         cost = None if recalibrate else CostModel.load(path, key)
         if cost is None:
+            if self.on_calibrate is not None:
+                self.on_calibrate()
             cost = CostModel.measure(self.model, self.cache, key)
             self.reset_cache()
             try:
@@ -239,6 +237,8 @@ class Engine:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         sampler = self.sampler(sampling, max_new_tokens, seed)
         method = drafter.name if drafter is not None else check_method(method or self.method)
+        # Refuse what cannot fit before measuring anything (the decode loops check the same again).
+        self.cache.check_room(len(ids) + max_new_tokens, "the prompt plus --max-new-tokens", start=0)
         if method != "ar":
             drafter = drafter or self.drafters[method]
             adaptive = getattr(drafter, "adaptive", None)

@@ -20,11 +20,12 @@ class KVCache:
     def capacity(self) -> int:
         return self.data.shape[3]
 
-    def check_room(self, n_tokens: int, what: str = "this request") -> None:
-        """Raise a one-line error unless `n_tokens` more tokens fit after the committed ones."""
-        if self.length + n_tokens > self.capacity:
+    def check_room(self, n_tokens: int, what: str = "this request", start: int | None = None) -> None:
+        """Raise a one-line error unless `n_tokens` more tokens fit after the committed ones (or after `start`)."""
+        start = self.length if start is None else start
+        if start + n_tokens > self.capacity:
             raise ContextOverflow(
-                f"{what} needs {self.length + n_tokens} tokens of context but the cache holds {self.capacity}; "
+                f"{what} needs {start + n_tokens} tokens of context but the cache holds {self.capacity}; "
                 "shorten the prompt, lower --max-new-tokens, or raise --max-context (up to the model's limit)"
             )
 
