@@ -153,8 +153,11 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
         lines.append(f"| {m} | " + " | ".join(f"{100 * t / decode:.0f}%" for t in totals) + " |")
     if args.dtype in ("bfloat16", "bf16", "float16", "fp16") and any(
             table[(m, "all")]["identical"] < table[(m, "all")]["n"] for m in methods):
+        flips = ("near-tied argmaxes flip" if sampling.greedy else
+                 "a draw that lands near the boundary between two tokens flips (the same seed no longer gives the "
+                 "same tokens from there on)")
         lines += ["", f"In {args.dtype} a 1-token forward and a many-token verify forward round differently, so "
-                  "near-tied argmaxes flip and answers drift apart from AR's (shared/FACTS.md); where an answer "
+                  f"{flips} and answers drift apart from AR's (shared/FACTS.md); where an answer "
                   "differs, its speed is not a like-for-like comparison. Losslessness is checked in float32."]
     lines += ["", "![speedup per category group](speedup.png)", "", "![accepted tokens per step](accept_lengths.png)"]
     if any(m in OWN_DRAFTERS for m in methods):

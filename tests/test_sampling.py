@@ -21,7 +21,7 @@ from tr_engine.sampling import Sampler, Sampling, probabilities, sample
 from tr_engine.speculative import speculative_generate
 from tr_engine.tree import load_tree
 from tr_engine.weights import load_model
-from tests.test_adaptive import CPU_LIKE, FREE
+from test_adaptive import CPU_LIKE, FREE
 
 SMALL_VOCAB = 16
 
