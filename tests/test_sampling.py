@@ -17,7 +17,7 @@ from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
 from tr_engine.errors import UserError
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
-from tr_engine.sampling import Sampler, Sampling, probabilities, sample
+from tr_engine.sampling import Sampler, Sampling, gumbel_noise, probabilities, sample
 from tr_engine.speculative import speculative_generate
 from tr_engine.tree import load_tree
 from tr_engine.weights import load_model
@@ -93,11 +93,14 @@ def test_top_k_and_top_p_match_transformers_warpers():
             assert torch.allclose(ours / ours.sum(), hf, atol=1e-6), s
 
 
-def test_inverse_transform_sampling():
+def test_gumbel_max_draws():
     p = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3], dtype=torch.float64)
-    assert [sample(p, u) for u in (0.0, 0.19, 0.2, 0.69, 0.7, 0.999999)] == [1, 1, 3, 3, 4, 4]
-    assert sample(p * 4, 0.5) == 3  # unnormalised is fine
-    assert sample(torch.tensor([0.0, 0.0, 1.0]), 0.0) == 2  # a zero-probability token is never drawn
+    assert sample(p, torch.tensor([9.0, 0.0, 9.0, 0.1, 0.0], dtype=torch.float64)) == 3  # log p + noise, argmax
+    assert sample(p * 4, torch.tensor([9.0, 2.0, 9.0, 0.1, 0.0], dtype=torch.float64)) == 1  # unnormalised is fine
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([50.0, 50.0, -5.0])) == 2  # zero probability: never
+    # The frequencies of many draws are the distribution (a loose check; the exact ones are the tests below).
+    draws = torch.tensor([sample(p, gumbel_noise(1, j, 5)) for j in range(4000)])
+    assert torch.allclose(torch.bincount(draws, minlength=5).double() / 4000, p, atol=0.03)
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(temperature=1, top_k=-1), dict(temperature=1, top_p=0),
@@ -107,11 +110,11 @@ def test_bad_sampling_settings_are_user_errors(kwargs):
         Sampling(**kwargs)
 
 
-def test_the_uniform_stream_does_not_depend_on_how_far_ahead_it_is_read():
-    a = Sampler(Sampling(1.0), torch.Generator().manual_seed(3), expected=10)
-    b = Sampler(Sampling(1.0), torch.Generator().manual_seed(3), expected=10)
-    late = a.uniform(300)  # extends in chunks that depend only on the length so far
-    assert [b.uniform(j) for j in range(301)] == a.uniforms[:301] and b.uniform(300) == late
+def test_the_noise_of_a_position_depends_only_on_the_seed_and_the_position():
+    a, b = Sampler(Sampling(1.0), 3), Sampler(Sampling(1.0), 3)
+    late = a.noise(300, 100)
+    assert all(torch.equal(a.noise(j, 100), b.noise(j, 100)) for j in range(5)) and torch.equal(b.noise(300, 100), late)
+    assert not torch.equal(a.noise(1, 100), a.noise(2, 100)) and not torch.equal(a.noise(1, 100), Sampler(Sampling(1.0), 4).noise(1, 100))
 
 
 # --- over draft trees -----------------------------------------------------------------------------------------------
@@ -120,7 +123,7 @@ def test_the_uniform_stream_does_not_depend_on_how_far_ahead_it_is_read():
 def run(model, drafter, prompt, n, sampling, seed, eos=()):
     cache = KVCache(model.config, 512, torch.float64, "cpu")
     model.set_max_positions(512)
-    sampler = Sampler(sampling, torch.Generator().manual_seed(seed), n) if not sampling.greedy else None
+    sampler = Sampler(sampling, seed) if not sampling.greedy else None
     if drafter is None:
         return plain_generate(model, cache, prompt, n, eos, sampler)
     return speculative_generate(model, cache, prompt, drafter, n, eos, reference.compact_kv_, None, sampler)
@@ -145,7 +148,7 @@ def test_a_seed_gives_plain_samplings_tokens_with_any_drafter(tiny, kind, sampli
     longer = 0
     for i in range(20):
         # Repeated prompts make drafts come true often (prompt lookup copies them; the matrix learns them).
-        prompt = torch.randint(0, 300, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g).tolist() * 3
+        prompt = torch.randint(0, 300, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g).tolist() * 4
         n = int(torch.randint(1, 40, (1,), generator=g))
         plain = run(tiny, None, prompt, n, sampling, seed=i)
         eos = (plain.token_ids[len(plain.token_ids) // 2],) if i % 3 == 0 else ()
@@ -153,8 +156,10 @@ def test_a_seed_gives_plain_samplings_tokens_with_any_drafter(tiny, kind, sampli
         drafted = run(tiny, d, prompt, n, sampling, seed=i, eos=eos)
         assert drafted.token_ids == plain.token_ids, (kind, i)
         assert drafted.finish_reason == plain.finish_reason
-        longer += any(a > 1 for a in drafted.accept_lengths)
-    assert longer >= 3  # drafts were accepted, so the tree walk was exercised
+        longer += sum(a > 1 for a in drafted.accept_lengths)
+    # Steps accepted drafts, so the walk descended: dozens for tr and hybrid; prompt lookup and the CPU-sized
+    # adaptive tree draft little on a random model's sampled text, but at least once.
+    assert longer >= (20 if kind in ("tr", "hybrid") else 1)
 
 
 def exact_first_tokens(model, prompt, sampling, depth=3) -> dict[tuple, float]:
@@ -239,7 +244,7 @@ def test_tree_sampling_has_the_models_distribution(small, sampling):
 def naive_accept(draft, logits, sampler, j):
     """A classic mistake: accept each drafted child with its own probability, else sample afresh at the node."""
     tokens = draft.tokens.tolist()
-    rng = torch.Generator().manual_seed(int(sampler.uniform(j) * 2**40))
+    rng = torch.Generator().manual_seed(sampler.seed * 7919 + j)
     path, node = [], 0
     while True:
         p = probabilities(logits[node], sampler.sampling)

@@ -235,7 +235,7 @@ class Engine:
         """The decode loop for prompt token ids: yields each step's committed ids, returns the Generation."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        sampler = self.sampler(sampling, max_new_tokens, seed)
+        sampler = self.sampler(sampling, seed)
         method = drafter.name if drafter is not None else check_method(method or self.method)
         # Refuse what cannot fit before measuring anything (the decode loops check the same again).
         self.cache.check_room(len(ids) + max_new_tokens, "the prompt plus --max-new-tokens", start=0)
@@ -258,14 +258,14 @@ class Engine:
         self.cached_ids = (ids + gen.token_ids)[: self.cache.length]
         return gen
 
-    def sampler(self, sampling: Sampling, max_new_tokens: int, seed: int | None = None) -> Sampler | None:
+    def sampler(self, sampling: Sampling, seed: int | None = None) -> Sampler | None:
         """The draws of one sampled call (None when greedy): from `seed`, else from a seed taken off the engine's
         stream, one per call whatever the method, so seeded runs repeat exactly."""
         if sampling.greedy:
             return None
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self.rng))
-        return Sampler(sampling, torch.Generator().manual_seed(seed), max_new_tokens)
+        return Sampler(sampling, seed)
 
     def reset_cache(self) -> None:
         """Forget the cached conversation (the next call prefills its whole prompt)."""

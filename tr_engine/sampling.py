@@ -1,16 +1,19 @@
 """Sampling: temperature, top-k and top-p, plain and over a draft tree, exactly the model's distribution.
 
 Plain decoding draws the j-th new token from the processed distribution at its position (logits / temperature, then
-the top-k, then the smallest set of tokens whose probability reaches top-p) by inverse transform with the j-th number
-u_j of a seeded stream of uniforms: the first token, in token-id order, whose cumulative probability exceeds u_j.
+the top-k, then the smallest set of tokens whose probability reaches top-p) with the Gumbel-max trick: the token whose
+log-probability plus Gumbel noise is largest, the noise of position j coming from a generator seeded by (the call's
+seed, j) alone. The argmax of log p_k + G_k, with G_k independent Gumbel variables, is distributed exactly as p.
 
 Over a draft tree (tr_engine/speculative.py: accept_sampled) the verify step walks from the root: at each node it
 draws the sample of that position from the node's logits, descends to the child drafted with that token if there is
 one, and otherwise commits the sample and stops. Each committed token is therefore one draw from the model's
 distribution given everything committed before it (a node's logits are the model's at that prefix), drawn once and
 shared by every path through the node; the drafts only decide how many of them one forward settles. Because the
-walk uses u_j for the j-th new token, as plain decoding does, a seed gives the same tokens with or without drafting
-(up to the rounding differences between a tree forward and a one-token forward that greedy decoding has too).
+walk uses position j's noise for the j-th new token, as plain decoding does, a seed gives the same tokens with or
+without drafting. A tree forward rounds logits a little differently from a one-token forward; with Gumbel-max that
+can change a draw only when the two best perturbed scores are that close, as rare as a near-tie in greedy decoding
+(inverse-transform sampling, by contrast, moves with the rounding error summed along the whole cumulative sum).
 
 Temperature 0 is greedy decoding (argmax), the default; top-k and top-p then do nothing.
 """
@@ -83,32 +86,30 @@ def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(p).index_copy_(0, keep, p[keep])
 
 
-def sample(p: torch.Tensor, u: float) -> int:
-    """Inverse transform: the first token, in id order, whose cumulative probability exceeds u times the total.
-    u in [0, 1); the token returned always has a non-zero probability."""
-    cdf = torch.cumsum(p, 0)
-    target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
-    return int(torch.searchsorted(cdf, target, right=True).clamp_(max=p.shape[-1] - 1))
+def sample(p: torch.Tensor, noise: torch.Tensor) -> int:
+    """Gumbel-max: the token maximising log p + noise, with `noise` [V] standard Gumbel variables; never a token of
+    probability zero (its score is -inf)."""
+    return int(torch.argmax(torch.log(p) + noise))
+
+
+def gumbel_noise(seed: int, j: int, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [V] (float64) for position j of the call seeded `seed`: a function of (seed, j) alone."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + j) % 2**63)
+    u = torch.rand(vocab, generator=g, dtype=torch.float64)
+    return -torch.log(-torch.log(u))  # u = 0 gives -inf: that token is never drawn
 
 
 class Sampler:
-    """The sampling of one generation: draw(logits, j) is the j-th new token, from the j-th uniform of a stream
-    seeded by `generator` (extended as needed, so it never runs out)."""
+    """The sampling of one generation: draw(logits, j) is the j-th new token, with position j's noise."""
 
-    def __init__(self, sampling: Sampling, generator: torch.Generator, expected: int = 256):
+    def __init__(self, sampling: Sampling, seed: int):
         if sampling.greedy:
             raise ValueError("a Sampler samples; greedy decoding takes the argmax")
-        self.sampling, self.generator = sampling, generator
-        self.uniforms: list[float] = []
-        self._extend(expected)
+        self.sampling, self.seed = sampling, seed
 
-    def _extend(self, n: int) -> None:
-        self.uniforms += torch.rand(n, generator=self.generator, dtype=torch.float64).tolist()
-
-    def uniform(self, j: int) -> float:
-        while j >= len(self.uniforms):
-            self._extend(max(64, len(self.uniforms)))
-        return self.uniforms[j]
+    def noise(self, j: int, vocab: int) -> torch.Tensor:
+        return gumbel_noise(self.seed, j, vocab)
 
     def draw(self, logits: torch.Tensor, j: int) -> int:
-        return sample(probabilities(logits, self.sampling), self.uniform(j))
+        p = probabilities(logits, self.sampling)
+        return sample(p, self.noise(j, p.shape[-1]).to(p.device, p.dtype))
