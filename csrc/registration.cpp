@@ -15,6 +15,15 @@ TORCH_LIBRARY(tr_engine, m) {
   // memory is the whole cost.
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
 
+  // A projection weight w [N, K] (float32 or bfloat16) in the blocked layout of the CPU matmul: wp [ceil(N/32),
+  // ceil(K/P), 32, P] with wp[b, j, i, e] = w[32b + i, Pj + e], zeros past N and K; P = 2 for bfloat16 (the pair a
+  // bf16 dot product consumes), 1 for float32. Packed once at load time.
+  m.def("pack_linear(Tensor w) -> Tensor");
+
+  // y = x @ w.T for any T rows of x [T, K] and wp = pack_linear(w) of w [n, K] of x's dtype; accumulates in float32
+  // and rounds once to x's dtype. The CPU engine's projections (decode steps, tree verifies, prefill).
+  m.def("packed_linear(Tensor x, Tensor wp, int n) -> Tensor");
+
   // For each i: table[tokens[i]] <- the k = table.size(1) ids of the largest logits[i], best first, ties broken by
   // the lower token id. A token at several i is written from its last i only (the decode loop's rule: the last node
   // in breadth-first order wins). table int64 [V, k]; tokens int64 [T] in [0, V); logits [T, V] finite floats.

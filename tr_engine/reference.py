@@ -21,6 +21,21 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)
 
 
+def pack_linear(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> [ceil(N/32), ceil(K/P), 32, P] with [b, j, i, e] = w[32b + i, Pj + e] (zeros past N and K);
+    P = 2 for 2-byte dtypes, 1 for float32: blocks of 32 output rows, their next P weights side by side."""
+    N, K = w.shape
+    P = 2 if w.element_size() == 2 else 1
+    padded = torch.nn.functional.pad(w, (0, -K % P, 0, -N % 32))  # [32 * blocks, P * groups]
+    return padded.view(-1, 32, padded.shape[1] // P, P).transpose(1, 2).contiguous()
+
+
+def packed_linear(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
+    """x [T, K] @ w.T for wp = pack_linear(w), w [n, K]: unpack, then multiply in float32, rounded once to x's dtype."""
+    w = wp.transpose(1, 2).reshape(wp.shape[0] * 32, -1)[:n, : x.shape[1]]  # [n, K]
+    return torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)
+
+
 def recycle_update_(table: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> None:
     """table [V, k] int64; tokens [T] int64; logits [T, V]. For each i: table[tokens[i]] <- the k largest logits'
     ids at row i, best first, ties broken by the lower id (a stable sort; topk leaves tie order unspecified).
