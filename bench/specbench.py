@@ -332,7 +332,7 @@ def main(argv=None) -> int:
                                     matrix_k=args.matrix_k)
     peer = None
     if any(m.startswith("hf-") for m in args.methods):
-        peer = HFPeer(engine.folder, engine.model.lm_head.weight.dtype, engine.tokenizer.eos_ids)
+        peer = HFPeer(engine.folder, engine.model.dtype, engine.tokenizer.eos_ids)
     questions = load_questions(args.questions, args.limit, args.categories, args.per_group)
     warm = load_questions(args.questions, None, None)[-args.warmup:] if args.warmup else []
     drafters = {m: engine.new_drafter(*OWN_DRAFTERS[m]) for m in args.methods if m in OWN_DRAFTERS}

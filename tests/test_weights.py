@@ -7,7 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tr_engine import reference
 from tr_engine.errors import UserError
+from tr_engine.ops import PackedWeight
 from tr_engine.weights import load_model
 from weights_tools.bin_to_safetensors import convert as bin_to_safetensors
 
@@ -37,10 +39,31 @@ def one_line_error(fn, *match):
 
 
 def test_loads_and_casts_once(folder):
-    model = load_model(folder, torch.bfloat16)
+    model = load_model(folder, torch.bfloat16, ops="reference")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     ref = load_file(folder / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"].to(torch.bfloat16)
     assert torch.equal(model.model.layers[0].self_attn.k_proj.weight, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_model_keeps_its_projections_packed_and_only_packed(folder, dtype):
+    """With the kernels, load_model packs every projection (q/k/v fused, gate/up fused, o, down, the tied LM head)
+    exactly and drops the plain copies; float64 (no packed kernel) keeps them. (test_model covers a tied head.)"""
+    weights = {k: v.to(dtype) for k, v in load_file(folder / "model.safetensors").items()}
+    model = load_model(folder, dtype)
+    layer = model.model.layers[1]
+    p = "model.layers.1."
+    qkv = torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+    gate_up = torch.cat([weights[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")])
+    for got, want in [(layer.self_attn.qkv_weight, qkv), (layer.self_attn.o_weight, weights[p + "self_attn.o_proj.weight"]),
+                      (layer.mlp.gate_up_weight, gate_up), (layer.mlp.down_weight, weights[p + "mlp.down_proj.weight"]),
+                      (model.head_weight, weights["lm_head.weight"])]:
+        assert isinstance(got, PackedWeight) and got.n == want.shape[0]
+        assert torch.equal(got.data, reference.pack_linear(want))
+    assert layer.self_attn.q_proj.weight is None and model.lm_head.weight is None
+    assert set(model.state_dict()) == {n for n in weights if "norm" in n or "embed" in n}
+    plain = load_model(folder, torch.float64)
+    assert torch.is_tensor(plain.model.layers[1].self_attn.qkv_weight)
 
 
 def test_missing_folder(tmp_path):
@@ -111,7 +134,7 @@ def test_bin_to_safetensors_round_trip(folder, tmp_path):
     out = tmp_path / "converted"
     bin_to_safetensors(src, out)
     assert (out / "model.safetensors.index.json").is_file()
-    a, b = load_model(folder), load_model(out)
+    a, b = load_model(folder, ops="reference"), load_model(out, ops="reference")  # unpacked: the whole state_dict
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), name
 

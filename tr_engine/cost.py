@@ -4,13 +4,14 @@ A draft tree pays only if the tokens it gets accepted outweigh its cost, and tha
 model, dtype and thread count: on an A100 an 81-token verify costs about 1.3 plain steps, on this project's 2-core CPU
 about 8 (bench/results/forward_cost_*.md). So the adaptive tree (tr_engine/adaptive.py) reads a cost curve measured
 where the engine runs: a few seconds of timed steps at first use, cached as JSON under $TR_ENGINE_HOME/costs/ per
-model, dtype, device, threads and ops, and measured again when any of those (or the torch version or the CPU)
-changes, or on `--recalibrate`.
+model, dtype, device, threads and ops, and measured again when any of those (or the torch version, the CPU or the
+compiled kernels) changes, or on `--recalibrate`.
 
 A "step" here is what the decode loop pays per forward: the forward itself plus the argmax over its logits and the
 host sync that reads them back.
 """
 
+import hashlib
 import json
 import platform
 import statistics
@@ -23,8 +24,8 @@ import torch
 from tr_engine.tree import sample_tree_mask
 
 # Verify sizes (tokens, root included) a tree may take, and the ones the cost curve measures. Every size from 1 to 8
-# is measured: on a CPU the few-row matmul kernels change there (tr_engine/ops.py: SKINNY_ROWS), so the curve has
-# steps that interpolation would miss. A fixed set of sizes also keeps the verify shapes static (CUDA graphs).
+# is measured: where the matmul kernels change with the row count (tr_engine/ops.py), the curve has steps that
+# interpolation would miss. A fixed set of sizes also keeps the verify shapes static (CUDA graphs).
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 PREFIXES = (256, 1024)  # cached tokens before the step (less in a small cache); the cost is linear between them
 
@@ -137,7 +138,15 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
         pass
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     return {"model": model_name, "dtype": str(dtype).removeprefix("torch."), "device": where,
-            "threads": torch.get_num_threads(), "ops": ops, "torch": torch.__version__}
+            "threads": torch.get_num_threads(), "ops": ops, "torch": torch.__version__,
+            "build": kernels_build() if ops == "kernels" else None}
+
+
+def kernels_build() -> str:
+    """A fingerprint of the compiled extension (its file's hash): a rebuilt kernel has another cost curve."""
+    import tr_engine._C
+
+    return hashlib.sha1(Path(tr_engine._C.__file__).read_bytes()).hexdigest()[:12]
 
 
 def cost_path(home: Path, key: dict) -> Path:

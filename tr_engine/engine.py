@@ -85,12 +85,11 @@ class Engine:
             self.rng.manual_seed(seed)
         self.method = check_method(method)  # the default decode method of generate/stream
         self.ops = load_ops(ops)
-        w = model.lm_head.weight
-        self.cache = KVCache(model.config, max_context, w.dtype, w.device)
+        self.cache = KVCache(model.config, max_context, model.dtype, model.device)
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, for reuse across a conversation
         model.set_max_positions(max_context)
         # Token Recycling's state: one matrix for the engine's lifetime (hot start across calls).
-        self.matrix = RecyclingMatrix(model.config.vocab_size, matrix_k, w.device, self.ops.recycle_update_)
+        self.matrix = RecyclingMatrix(model.config.vocab_size, matrix_k, model.device, self.ops.recycle_update_)
         self.tree_spec, self.matrix_k, self.ops_kind = tree, matrix_k, ops
         self.tree = load_tree("2.2.2" if tree == ADAPTIVE else tree, matrix_k)  # the static tree (adaptive: unused)
         self._cost: CostModel | None = None
@@ -115,8 +114,7 @@ class Engine:
         return Hybrid(tr, PromptLookup(self.cache.data.device)) if method == "hybrid" else tr
 
     def _cost_location(self):
-        w = self.model.lm_head.weight
-        key = cost_key(self.folder.name, w.dtype, w.device, self.ops_kind)
+        key = cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops_kind)
         return key, cost_path(home(), key)
 
     def cost_model(self, recalibrate: bool = False) -> CostModel:

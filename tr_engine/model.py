@@ -88,10 +88,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(E, self.n_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(E, self.n_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.n_heads * D, E, bias=False)
-        self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) D, E], set by fuse_()
+        # The weights the forward multiplies by, set by fuse_() and replaced by pack_(): [(Hq + 2 Hkv) D, E], [E, Hq D].
+        self.qkv_weight = self.o_weight = None
 
     def fuse_(self) -> None:
         self.qkv_weight = fuse_linears_(self.q_proj, self.k_proj, self.v_proj)
+        self.o_weight = self.o_proj.weight.detach()  # a plain tensor (a Parameter would join the state_dict)
 
     def forward(self, x, cos, sin, kv, start: int, mask: "AttentionMask", ops):
         """x [T, E]; kv [2, Hkv, S, D] this layer's cache, new K/V written at slots start..start+T-1."""
@@ -103,14 +105,14 @@ class Attention(nn.Module):
         kv[1, :, start:end] = qkv[:, Hq + Hkv :].transpose(0, 1)
         if mask.tree is not None:  # tree verify: every cached token plus the tree ancestors
             o = ops.tree_attention(qk[:, :Hq], kv[0], kv[1], start, mask.tree, D**-0.5)  # [T, Hq, D]
-            return ops.linear(o.reshape(T, Hq * D), self.o_proj.weight)
+            return ops.linear(o.reshape(T, Hq * D), self.o_weight)
         # Grouped-query attention without copying K/V: the G query heads that share a KV head are folded into the
         # row dimension, [T, Hq, D] -> [Hkv, G*T, D], so each KV head is read once, as plain multi-head attention.
         # 4-D inputs select PyTorch's fused CPU/GPU attention kernels (3-D ones fall back to the unfused math path).
         q = qk[:, :Hq].reshape(T, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3).reshape(1, Hkv, -1, D)  # [1, Hkv, G*T, D]
         o = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask.folded)
         o = o.view(Hkv, Hq // Hkv, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)  # [T, Hq*D]
-        return ops.linear(o, self.o_proj.weight)
+        return ops.linear(o, self.o_weight)
 
 
 class MLP(nn.Module):
@@ -120,14 +122,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(E, Fd, bias=False)
         self.up_proj = nn.Linear(E, Fd, bias=False)
         self.down_proj = nn.Linear(Fd, E, bias=False)
-        self.gate_up_weight: torch.Tensor | None = None  # [2F, E], set by fuse_()
+        self.gate_up_weight = self.down_weight = None  # [2F, E] and [E, F], as in Attention
 
     def fuse_(self) -> None:
         self.gate_up_weight = fuse_linears_(self.gate_proj, self.up_proj)
+        self.down_weight = self.down_proj.weight.detach()
 
     def forward(self, x, linear):
         gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, F] each
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        return linear(F.silu(gate) * up, self.down_weight)
 
 
 class DecoderLayer(nn.Module):
@@ -165,19 +168,41 @@ class Llama(nn.Module):
         self.ops = ops or SimpleNamespace(linear=F.linear, tree_attention=reference.tree_attention)
         self.model = LlamaBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head_weight = None  # [V, E], the LM head as the forward uses it (fuse_, pack_)
         self.rope_cos: torch.Tensor | None = None  # [S, D], from set_max_positions()
         self.rope_sin: torch.Tensor | None = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
     def set_max_positions(self, n: int) -> None:
         """Precompute the rotary table for positions 0..n-1 (the cache capacity), in the model's dtype and device."""
-        w = self.lm_head.weight
-        self.rope_cos, self.rope_sin = rope_table(self.config, n, w.dtype, w.device)
+        self.rope_cos, self.rope_sin = rope_table(self.config, n, self.dtype, self.device)
 
     def fuse_(self) -> None:
         """Fuse the q/k/v and the gate/up projections into single matmuls (weights shared, state_dict unchanged)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_()
             layer.mlp.fuse_()
+        self.head_weight = self.lm_head.weight.detach()
+
+    def pack_(self, pack) -> None:
+        """Give every projection to the forward in the layout of the CPU matmul kernel (`pack`: tr_engine.ops'
+        `pack`, w -> PackedWeight) and drop the plain copies, so the weights' memory is not doubled. Afterwards the
+        projection modules hold no weight: state_dict() lists the embeddings and norms only."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_weight, attn.o_weight = pack(attn.qkv_weight), pack(attn.o_weight)
+            mlp.gate_up_weight, mlp.down_weight = pack(mlp.gate_up_weight), pack(mlp.down_weight)
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                m.weight = None
+        self.head_weight = pack(self.head_weight)  # a tied head: a packed copy; the embedding stays for the lookup
+        self.lm_head.weight = None
 
     def forward(
         self,
@@ -215,5 +240,5 @@ class Llama(nn.Module):
             x = layer(x, cos, sin, kv, start, mask, self.ops)
         if last_logits_only:
             x = x[-1:]
-        logits = self.ops.linear(self.model.norm(x), self.lm_head.weight)  # [T, V]
+        logits = self.ops.linear(self.model.norm(x), self.head_weight)  # [T, V]
         return logits if logits.element_size() >= 4 else logits.float()

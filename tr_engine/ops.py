@@ -3,6 +3,7 @@ pure-PyTorch references (`"reference"`). Both expose the same functions with the
 """
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -10,21 +11,42 @@ import torch.nn.functional as F
 from tr_engine import reference
 from tr_engine.errors import UserError
 
-OP_NAMES = ("compact_kv_", "skinny_linear", "recycle_update_", "tree_attention")
+OP_NAMES = ("compact_kv_", "skinny_linear", "pack_linear", "packed_linear", "recycle_update_", "tree_attention")
 KINDS = ("kernels", "reference")
-# skinny_linear accepts up to 16 rows (csrc/registration.cpp) and streams each weight row once per call, reducing every
-# row of x against it from L1 (AVX-512 register tiles; bf16 through the AVX512-BF16 dot product). It wins while the
-# matmul is bound by reading the weights; measured here (2 threads, SmolLM2's shapes, `bench.kernels`, interleaved
-# against F.linear): float32 1.9-3.9x at 2-4 rows, >= 1.0x up to 8 (LM head 1.9x), 0.9x at 12; bfloat16 1.4-2.5x at
-# 2-4 rows, 1.1x at 6, parity at 8, 0.8-0.9x at 12 (oneDNN's bf16 GEMM takes over). float16 keeps the plain loop.
+# On a CPU, float32 and bfloat16 models keep their projections packed (pack_linear, at load time) and multiply with
+# packed_linear at every row count: each 32-row block of a weight is read once and applied to up to 12 rows of x from
+# registers, so a draft tree of ~10 tokens costs what one token costs, and it beats oneDNN's F.linear from 1 row to
+# a 512-token prefill (measured here on SmolLM2's shapes: 0.47x its time at 1 row, 0.40x at 12, 0.75x at 81).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Unpacked weights (float16 on a CPU, any GPU weight): skinny_linear for up to this many rows, else F.linear.
 SKINNY_ROWS = {torch.float32: 8, torch.bfloat16: 6, torch.float16: 1}
+
+
+class PackedWeight(NamedTuple):
+    """A projection weight w [n, K] as pack_linear(w), for packed_linear; what `linear` receives once a CPU model is
+    packed (Llama.pack_)."""
+
+    data: torch.Tensor  # [ceil(n/32), ceil(K/P), 32, P]
+    n: int
+
+
+def packs(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether the compiled kernels keep a model of this dtype on this device packed."""
+    return torch.device(device).type == "cpu" and dtype in PACKED_DTYPES
 
 
 def load_ops(kind: str = "kernels") -> SimpleNamespace:
     """A namespace with one callable per op in OP_NAMES."""
     if kind == "reference":
-        # The model's projections stay plain F.linear here: the readable engine, end to end.
-        return SimpleNamespace(kind=kind, linear=F.linear, **{name: getattr(reference, name) for name in OP_NAMES})
+        # The model's projections stay plain F.linear here: the readable engine, end to end (and nothing is packed;
+        # a packed model handed to these ops multiplies through the reference's unpacking twin).
+        def reference_linear(x: torch.Tensor, w) -> torch.Tensor:
+            if isinstance(w, PackedWeight):
+                return reference.packed_linear(x, w.data, w.n)
+            return F.linear(x, w)
+
+        return SimpleNamespace(kind=kind, linear=reference_linear, pack=None,
+                               **{name: getattr(reference, name) for name in OP_NAMES})
     if kind != "kernels":
         raise UserError(f"unknown ops {kind!r}; choose one of {', '.join(KINDS)}")
     try:
@@ -33,15 +55,21 @@ def load_ops(kind: str = "kernels") -> SimpleNamespace:
         raise UserError(f"the compiled ops are not built ({e}); run `make install`, or pass --ops reference")
     _register_fakes()
     ops = {name: getattr(torch.ops.tr_engine, name) for name in OP_NAMES}
-    skinny = ops["skinny_linear"]
+    skinny, packed, pack_linear = ops["skinny_linear"], ops["packed_linear"], ops["pack_linear"]
 
-    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """F.linear, through skinny_linear for the few rows of a CPU decode step or small draft (SKINNY_ROWS)."""
+    def linear(x: torch.Tensor, w) -> torch.Tensor:
+        """x [T, K] @ w.T: packed_linear for a PackedWeight; else F.linear, through skinny_linear for the few rows of a
+        CPU decode step or small draft (SKINNY_ROWS)."""
+        if isinstance(w, PackedWeight):
+            return packed(x, w.data, w.n)
         if x.shape[0] <= SKINNY_ROWS.get(x.dtype, 0) and x.device.type == "cpu":
             return skinny(x, w)
         return F.linear(x, w)
 
-    return SimpleNamespace(kind=kind, linear=linear, **ops)
+    def pack(w: torch.Tensor) -> PackedWeight:
+        return PackedWeight(pack_linear(w), w.shape[0])
+
+    return SimpleNamespace(kind=kind, linear=linear, pack=pack, **ops)
 
 
 _fakes_registered = False
@@ -56,6 +84,15 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tr_engine::skinny_linear")
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("tr_engine::pack_linear")
+    def _(w):
+        P = 2 if w.element_size() == 2 else 1
+        return w.new_empty((w.shape[0] + 31) // 32, (w.shape[1] + P - 1) // P, 32, P)
+
+    @torch.library.register_fake("tr_engine::packed_linear")
+    def _(x, wp, n):
+        return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("tr_engine::tree_attention")
     def _(q, k, v, prefix_len, tree_mask, scale):

@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from tr_engine.config import LlamaConfig
 from tr_engine.errors import UserError, WeightsError
 from tr_engine.model import Llama
-from tr_engine.ops import load_ops
+from tr_engine.ops import load_ops, packs
 
 # Keys some checkpoints carry that hold no learned weights (old Llama/Vicuna exports save RoPE's inv_freq buffer).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -98,4 +98,6 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     model.fuse_()
+    if model.ops.pack is not None and packs(dtype, device):
+        model.pack_(model.ops.pack)
     return model
