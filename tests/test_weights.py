@@ -55,8 +55,9 @@ def test_a_cpu_model_keeps_its_projections_packed_and_only_packed(folder, dtype)
     p = "model.layers.1."
     qkv = torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
     gate_up = torch.cat([weights[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")])
-    for got, want in [(layer.self_attn.qkv_weight, qkv), (layer.self_attn.o_weight, weights[p + "self_attn.o_proj.weight"]),
-                      (layer.mlp.gate_up_weight, gate_up), (layer.mlp.down_weight, weights[p + "mlp.down_proj.weight"]),
+    for got, want in [(layer.self_attn.qkv_weight, qkv), (layer.mlp.gate_up_weight, gate_up),
+                      (layer.self_attn.o_weight, weights[p + "self_attn.o_proj.weight"]),
+                      (layer.mlp.down_weight, weights[p + "mlp.down_proj.weight"]),
                       (model.head_weight, weights["lm_head.weight"])]:
         assert isinstance(got, PackedWeight) and got.n == want.shape[0]
         assert torch.equal(got.data, reference.pack_linear(want))

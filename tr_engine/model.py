@@ -157,9 +157,9 @@ class LlamaBody(nn.Module):
 class Llama(nn.Module):
     """The causal LM. Build on the `meta` device and fill with `tr_engine.weights.load_model`.
 
-    `ops` (tr_engine.ops.load_ops) supplies `linear(x [T, in], w [out, in]) -> [T, out]`, which computes every
-    projection, and `tree_attention`, the attention of decode and verify steps: the compiled kernels or their
-    pure-PyTorch references (the default here).
+    `ops` (tr_engine.ops.load_ops) supplies `linear(x [T, in], w [out, in] or a PackedWeight) -> [T, out]`, which
+    computes every projection, and `tree_attention`, the attention of decode and verify steps: the compiled kernels
+    or their pure-PyTorch references (the default here).
     """
 
     def __init__(self, config: LlamaConfig, ops=None):
@@ -229,7 +229,7 @@ class Llama(nn.Module):
         device = input_ids.device
         if tree_mask is not None:
             mask = AttentionMask(tree=tree_mask)
-        elif T == 1:  # a decode step: a one-node tree (the op beats PyTorch's fused attention for one query, ~8% of a step)
+        elif T == 1:  # a decode step is a one-node tree (the op beats PyTorch's fused attention at one query)
             mask = AttentionMask(tree=torch.ones(1, 1, dtype=torch.bool, device=device))
         else:
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()

@@ -15,8 +15,9 @@ OP_NAMES = ("compact_kv_", "skinny_linear", "pack_linear", "packed_linear", "rec
 KINDS = ("kernels", "reference")
 # On a CPU, float32 and bfloat16 models keep their projections packed (pack_linear, at load time) and multiply with
 # packed_linear at every row count: each 32-row block of a weight is read once and applied to up to 12 rows of x from
-# registers, so a draft tree of ~10 tokens costs what one token costs, and it beats oneDNN's F.linear from 1 row to
-# a 512-token prefill (measured here on SmolLM2's shapes: 0.47x its time at 1 row, 0.40x at 12, 0.75x at 81).
+# registers, so the matmuls of a 12-token verify cost 1.1x (fp32) or 1.5x (bf16) those of one token, and it beats
+# oneDNN's F.linear from 1 row to a 512-token prefill (all of SmolLM2's projections, bench/results/kernels_cpu.md:
+# bf16 3.4x at 1 row, 2.5x at 12, 1.3x at 81, 1.07x at 512).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Unpacked weights (float16 on a CPU, any GPU weight): skinny_linear for up to this many rows, else F.linear.
 SKINNY_ROWS = {torch.float32: 8, torch.bfloat16: 6, torch.float16: 1}

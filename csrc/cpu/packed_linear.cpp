@@ -7,9 +7,11 @@
 // output rows' next P weights; the kernel broadcasts x[t]'s next P values and multiply-adds them into 16 per-output
 // accumulators (the AVX512-BF16 dot product for bf16: two products per fp32 lane; an FMA for fp32). 2 weight loads
 // feed 2 x R multiply-adds, R up to 12 rows of x, and nothing needs a horizontal sum: the accumulators are the
-// outputs. Measured on SmolLM2's bf16 projections (all 30 layers + LM head, weights streamed from DRAM, 2 threads):
-// 12 rows cost about what 1 row costs (memory-bound to ~10 rows), 81 rows 0.67x oneDNN's F.linear (the old row-major
-// skinny_linear tile kernel: 2.1x its 1-row time at 12 rows); bench/results/kernels_cpu.md.
+// outputs. Measured on all of SmolLM2's projections (30 layers + LM head, weights streamed from memory, 2 threads;
+// bench/results/kernels_cpu.md): fp32 12 rows cost 1.1x one row (memory-bound), bf16 1.5x (half the bytes, so the
+// dot products catch up with memory by ~6 rows and then run at ~75-85% of the 2 cores' peak); against oneDNN's
+// F.linear 3.4x faster at 1 bf16 row, 2.5x at 12, 1.3x at 81, 1.07x at 512 (skinny_linear's row-major tiles, with a
+// horizontal sum per output: 0.83x F.linear at 12 rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -68,13 +70,17 @@ void block_loop(const T* x, int64_t ldx, const T* wb, int64_t groups, T* y, int6
     for (int i = 0; i < valid; ++i) {
       float acc = 0.f;
       for (int64_t j = 0; j < groups; ++j)
-        for (int64_t e = 0; e < P; ++e) acc += to_float(x[r * ldx + j * P + e]) * to_float(wb[(j * kBlock + i) * P + e]);
+        for (int64_t e = 0; e < P; ++e)
+          acc += to_float(x[r * ldx + j * P + e]) * to_float(wb[(j * kBlock + i) * P + e]);
       y[r * ldy + i] = static_cast<T>(acc);
     }
 }
 
 #if defined(__AVX512F__)
-inline __mmask16 lanes(int valid) { return valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max(valid, 0)) - 1); }
+// The first `valid` of 16 lanes (none for valid <= 0).
+inline __mmask16 lanes(int valid) {
+  return valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max(valid, 0)) - 1);
+}
 
 template <int R>
 void block_f32(const float* x, int64_t ldx, const float* wb, int64_t groups, float* y, int64_t ldy, int valid) {
