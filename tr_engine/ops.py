@@ -19,7 +19,8 @@ KINDS = ("kernels", "reference")
 # oneDNN's F.linear from 1 row to a 512-token prefill (all of SmolLM2's projections, bench/results/kernels_cpu.md:
 # bf16 3.4x at 1 row, 2.5x at 12, 1.3x at 81, 1.07x at 512).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# Unpacked weights (float16 on a CPU, any GPU weight): skinny_linear for up to this many rows, else F.linear.
+# Unpacked CPU weights (float16, or a weight passed as a plain tensor): skinny_linear for up to this many rows, else
+# F.linear (which GPU weights always take).
 SKINNY_ROWS = {torch.float32: 8, torch.bfloat16: 6, torch.float16: 1}
 
 
