@@ -11,8 +11,8 @@ TORCH_LIBRARY(tr_engine, m) {
   m.def("compact_kv_(Tensor(a!) cache, Tensor src_slots, int dst_start) -> ()");
 
   // y = x @ w.T (F.linear without bias) for T = 1..16 rows of x [T, K] and a contiguous weight w [N, K] of the same
-  // dtype; accumulates in float32 and rounds once to x's dtype. The matmul of a decode step, where streaming w from
-  // memory is the whole cost.
+  // dtype; accumulates in float32 and rounds once to x's dtype. The few-row matmul for weights that are not packed
+  // (packed_linear below serves float32/bfloat16 models on a CPU).
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
 
   // A projection weight w [N, K] (float32 or bfloat16) in the blocked layout of the CPU matmul: wp [ceil(N/32),
