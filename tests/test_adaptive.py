@@ -104,6 +104,42 @@ def test_size_follows_the_cost_curve():
     assert trees.choose(100)[0] == 128
 
 
+def test_step_times_correct_the_curve_online():
+    trees = AdaptiveTrees(8, CPU_LIKE)
+    for _ in range(300):
+        trees.observe([[1, 2, 3, 4, 5, 6, 7, 8]] * 6, [1] * 6)  # rank 0 always right: long chains pay
+    T, _ = trees.choose(100)
+    assert trees.times.curve(100) == dict(zip(BUCKETS, CPU_LIKE.curve(100)))  # nothing observed: the calibration
+    predicted = CPU_LIKE.seconds(T, 100)
+    for _ in range(40):  # steps of this size take 3x what the calibration said (the machine slowed, say)
+        trees.observe_step(T, 100, 3 * predicted)
+    assert trees.times.factor[T] == pytest.approx(3.0, rel=0.01)
+    now = trees.times.curve(100)
+    assert now[T] == pytest.approx(3 * CPU_LIKE.cost(T, 100), rel=0.01)
+    assert now[BUCKETS[-1]] == pytest.approx(3 * CPU_LIKE.cost(BUCKETS[-1], 100), rel=0.01)  # borrowed
+    for _ in range(40):  # while plain steps cost what was said: every draft is dearer, relative to them
+        trees.observe_step(1, 100, CPU_LIKE.seconds(1, 100))
+    assert trees.choose(100)[0] < T
+    trees.observe_step(1, 100, 1000.0)  # one outlier (a preemption) moves a factor by at most 1/32 of 2x
+    assert trees.times.factor[1] == pytest.approx(1 + 1 / 32, rel=1e-3)
+    before = trees.times
+    trees.cost = CPU_LIKE  # the same curve again (each decode call sets it): the corrections stay
+    assert trees.times is before
+    trees.cost = ones = curve(lambda T: 1.0)  # a new calibration: learn afresh
+    assert trees.times.factor == {} and trees.times.model is ones
+    zero = CostModel((1,), (0, 0), [[1.0], [1.0]], [0.0, 0.0], {})  # a cache too small to measure: no timings
+    trees.cost = zero
+    trees.observe_step(1, 10, 0.01)
+    assert trees.times.factor == {}
+
+
+def test_the_decode_loop_times_its_steps_for_the_adaptive_tree(tiny):
+    d = drafter("hybrid", CPU_LIKE, tiny.config.vocab_size)
+    generate(tiny, d, [5, 6, 7, 8] * 4, 30)
+    times = d.adaptive.times
+    assert sum(times.count.values()) >= 5 and all(f > 0 for f in times.factor.values())
+
+
 def test_chain_stats_and_chain_length_choice():
     chain = ChainStats(6)
     for _ in range(100):
@@ -142,8 +178,15 @@ def test_cost_model_interpolates_saves_and_checks_its_key(tmp_path):
     rel = [[float(i + 1) for i in range(len(BUCKETS))], [float(2 * (i + 1)) for i in range(len(BUCKETS))]]
     cm = CostModel(BUCKETS, PREFIXES, rel, [0.01, 0.02], {"model": "m"})
     mid = (PREFIXES[0] + PREFIXES[1]) // 2
-    assert cm.cost(BUCKETS[1], PREFIXES[0]) == 2.0 and cm.cost(BUCKETS[1], 10**6) == 4.0
+    assert cm.cost(BUCKETS[1], PREFIXES[0]) == 2.0 and cm.cost(BUCKETS[1], 0) == 2.0
     assert cm.cost(BUCKETS[1], mid) == pytest.approx(3.0, rel=0.01)
+    span = PREFIXES[1] - PREFIXES[0]  # past the longer prefix: extrapolated (attention grows with it), to 8 spans
+    assert cm.cost(BUCKETS[1], PREFIXES[1] + span) == pytest.approx(6.0) and cm.cost(BUCKETS[1], 10**9) == 18.0
+    # Seconds: the plain step's seconds (interpolated alike) times the relative cost, linear between buckets.
+    assert cm.seconds(BUCKETS[1], PREFIXES[0]) == pytest.approx(0.02)
+    assert cm.seconds(BUCKETS[-1], PREFIXES[1]) == pytest.approx(0.02 * 2 * len(BUCKETS))
+    b = next(i for i in range(1, len(BUCKETS)) if BUCKETS[i] - BUCKETS[i - 1] == 2)  # e.g. 8 -> 10: 9 is halfway
+    assert cm.seconds(BUCKETS[b] - 1, PREFIXES[0]) == pytest.approx(0.01 * (b + 0.5))
     path = tmp_path / "c.json"
     cm.save(path)
     assert CostModel.load(path, {"model": "m"}).relative == rel

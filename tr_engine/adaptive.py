@@ -6,7 +6,8 @@ The paper expands a fixed 80-node tree. Which tree pays depends on two things it
   rank-r entry of the previous token's matrix row, at each depth of a step. Every committed token is one observation
   for every rank at once (we look the token up in the row), whatever tree was verified, so the estimates cover nodes
   the current tree does not have.
-- what verifying T tokens costs (tr_engine/cost.py: measured on this machine, in plain steps).
+- what verifying T tokens costs (tr_engine/cost.py: measured on this machine, in plain steps), corrected online by
+  `StepTimes` from the decode loop's clock.
 
 Assuming a node is accepted with the product of its path's per-depth rank rates, the expected tokens a step commits
 are 1 (the bonus token) plus the sum of its nodes' path probabilities, and the best tree of n nodes is the n nodes
@@ -85,19 +86,76 @@ class ChainStats:
         return out
 
 
+class StepTimes:
+    """What a step of each size costs in this run: the calibrated curve's seconds times a factor per bucket, learned
+    from the decode loop's own clock.
+
+    The curve is measured once, in a tight loop; the steps it prices run later, amid the loop's own work, on a machine
+    whose speed drifts (this CPU's plain step ranges over 11-16 ms as its neighbours' load changes, and the relative
+    cost of 8 tokens over 1.2-1.55 with it). Each step's measured seconds over the curve's prediction for its size
+    update its bucket's factor (a decayed mean; single outliers, a preemption say, are clipped to 2x). A bucket not
+    stepped yet borrows the factor of the nearest one that was (the bigger one on a tie), so a curve that drifted up
+    makes the unexplored sizes look dearer too, and one that drifted down gets them tried."""
+
+    RECENT = 32  # the factor is a mean over about this many recent steps of its bucket
+
+    def __init__(self, model: CostModel):
+        self.model = model
+        self.factor: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+
+    def observe(self, tokens: int, prefix: int, seconds: float) -> None:
+        buckets = self.model.buckets
+        predicted = self.model.seconds(tokens, prefix) if tokens <= buckets[-1] else 0.0
+        if predicted <= 0.0:  # a curve without timings (a cache too small to measure in) has nothing to correct
+            return
+        T = next(b for b in buckets if b >= tokens)  # the bucket the step was charged as
+        r, f, n = seconds / predicted, self.factor.get(T), self.count.get(T, 0)
+        if f is not None:
+            r = min(max(r, f / 2), f * 2)
+        self.factor[T] = r if f is None else f + max(1 / (n + 1), 1 / self.RECENT) * (r - f)
+        self.count[T] = n + 1
+
+    def curve(self, prefix: int) -> dict[int, float]:
+        """The estimated cost of a step of each bucket size after `prefix` cached tokens, in the calibration's plain
+        steps (the calibrated curve, corrected)."""
+        buckets, seen = self.model.buckets, sorted(self.factor)
+        out = {}
+        for i, T in enumerate(buckets):
+            near = min(seen, key=lambda b: (abs(buckets.index(b) - i), -b)) if seen else None
+            out[T] = self.model.cost(T, prefix) * (self.factor[near] if near is not None else 1.0)
+        return out
+
+
 class AdaptiveTrees:
-    """The best tree for each size, from RankStats, re-ranked every `refresh` observations; the size from the cost."""
+    """The best tree for each size, from RankStats, re-ranked every `refresh` observations; the size from the cost
+    (the engine sets `cost`, the calibrated curve; StepTimes corrects it online)."""
 
     def __init__(self, k: int, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu"):
-        self.stats, self.cost, self.refresh, self.device = RankStats(k), cost, refresh, device  # cost: the engine sets it
+        self.stats, self.refresh, self.device = RankStats(k), refresh, device
+        self.cost = cost
         self.buckets = tuple(T for T in BUCKETS if T <= max_tokens)
         self.max_step_tokens = self.buckets[-1]
         self._since = refresh  # rank on first use
         self._trees: dict[tuple, DraftTree] = {}
 
+    @property
+    def cost(self) -> CostModel | None:
+        return self._cost
+
+    @cost.setter
+    def cost(self, cost: CostModel | None) -> None:
+        if cost is not getattr(self, "_cost", None):  # a new curve (a first one, a recalibration): learn afresh
+            self._cost = cost
+            self.times = StepTimes(cost) if cost is not None else None
+
     def observe(self, rows: list[list[int]], targets: list[int]) -> None:
         self.stats.observe(rows, targets)
         self._since += 1
+
+    def observe_step(self, tokens: int, prefix: int, seconds: float) -> None:
+        """A verify of `tokens` tokens after `prefix` took `seconds`, drafting to compaction."""
+        self.times.observe(tokens, prefix, seconds)
 
     def _rank(self) -> None:
         """Best-first expansion: the nodes with the highest path probabilities, in order."""
@@ -121,7 +179,7 @@ class AdaptiveTrees:
         charged the cost of the next bucket up."""
         if self._since >= self.refresh:
             self._rank()
-        curve = dict(zip(self.cost.buckets, self.cost.curve(prefix)))
+        curve = self.times.curve(prefix)
         buckets = [T for T in self.buckets if T in curve]  # a curve measured in a small cache stops early
         charged = {}  # tokens -> cost of the smallest bucket holding them
         for T in range(buckets[-1], 0, -1):

@@ -76,15 +76,32 @@ class CostModel:
     plain_s: list[float]  # seconds of a plain step at each prefix
     key: dict
 
+    def _weight(self, prefix: int) -> float:
+        """Where `prefix` lies between the two measured prefixes: 0 at the first, 1 at the second, extrapolated
+        linearly past it (attention's cost grows with the prefix: a long RAG prompt costs more than 1024 tokens'
+        worth), up to 8 spans out; clamped at 0 below the first."""
+        p0, p1 = self.prefixes
+        return min(max((prefix - p0) / (p1 - p0), 0.0), 8.0) if p1 > p0 else 0.0
+
     def cost(self, tokens: int, prefix: int) -> float:
         """Relative cost of a `tokens`-token verify (a bucket size) after `prefix` cached tokens."""
         i = self.buckets.index(tokens)
-        (p0, p1), rows = self.prefixes, self.relative
-        w = min(max((prefix - p0) / (p1 - p0), 0.0), 1.0) if p1 > p0 else 0.0
+        w, rows = self._weight(prefix), self.relative
         return (1 - w) * rows[0][i] + w * rows[1][i]
 
     def curve(self, prefix: int) -> list[float]:
         return [self.cost(T, prefix) for T in self.buckets]
+
+    def seconds(self, tokens: int, prefix: int) -> float:
+        """Predicted seconds of a verify of any `tokens` up to the largest bucket (linear between buckets)."""
+        w = self._weight(prefix)
+        plain = (1 - w) * self.plain_s[0] + w * self.plain_s[1]
+        i = next(i for i, T in enumerate(self.buckets) if T >= tokens)
+        rel = self.cost(self.buckets[i], prefix)
+        if self.buckets[i] > tokens:  # between buckets i-1 and i
+            lo, hi = self.buckets[i - 1], self.buckets[i]
+            rel += (self.cost(lo, prefix) - rel) * (hi - tokens) / (hi - lo)
+        return rel * plain
 
     @classmethod
     def measure(cls, model, cache, key: dict, reps: int = 3) -> "CostModel":

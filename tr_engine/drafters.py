@@ -3,7 +3,8 @@
 All of them share verify, accept and compact (tr_engine/speculative.py). Token Recycling reads its drafts from the
 recycling matrix and learns from every verify; prompt lookup copies the continuation of the latest earlier match of
 the last few tokens, as a chain; hybrid drafting merges the two into one tree. After each verify a drafter observes
-the step: the logits at every node and the tokens committed (the greedy continuation).
+the step: the logits at every node, the tokens committed (the greedy continuation) and the seconds the step took
+(drafting to compaction), which the adaptive tree prices its sizes by.
 """
 
 from dataclasses import dataclass
@@ -29,9 +30,10 @@ class TokenRecycling:
 
     def __init__(self, matrix: RecyclingMatrix, tree: DraftTree, adaptive: AdaptiveTrees | None = None):
         self.matrix, self.tree, self.adaptive = matrix, tree.to(matrix.table.device), adaptive
-        self._root = None
+        self._root, self._prefix = None, 0
 
     def propose(self, history: list[int]) -> Draft:
+        self._prefix = len(history)
         tree = self.adaptive.tree(self.adaptive.choose(len(history))[0]) if self.adaptive else self.tree
         return self.draft(history, tree)
 
@@ -40,11 +42,13 @@ class TokenRecycling:
         root = torch.tensor(self._root, device=self.matrix.table.device)
         return Draft(tree, self.matrix.retrieve(root, tree))
 
-    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int]) -> None:
+    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int], seconds: float = 0.0) -> None:
         if self.adaptive is not None:  # how the greedy path ranked in the rows that drafted it, before recycling
             table = self.matrix.table
             rows = table[torch.tensor([self._root] + committed[:-1], device=table.device)].tolist()
             self.adaptive.observe(rows, committed)
+            if seconds > 0.0:
+                self.adaptive.observe_step(draft.tree.size, self._prefix, seconds)
         self.matrix.recycle_(draft.tokens, logits)
 
 
@@ -71,7 +75,7 @@ class PromptLookup:
                     return history[start + n : start + n + self.length]
         return []
 
-    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int]) -> None:
+    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int], seconds: float = 0.0) -> None:
         pass
 
 
@@ -99,6 +103,7 @@ class Hybrid:
 
     def propose(self, history: list[int]) -> Draft:
         chain = self._chain = self.lookup.lookup(history)
+        self.tr._prefix = len(history)
         adaptive = self.tr.adaptive
         if adaptive is not None:
             T, m = adaptive.choose(len(history), self.chain_stats.values(len(chain)))
@@ -126,7 +131,7 @@ class Hybrid:
         rest = torch.tensor(chain[j:], dtype=torch.long, device=draft.tokens.device)
         return Draft(grafted, torch.cat([draft.tokens, rest]))
 
-    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int]) -> None:
+    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int], seconds: float = 0.0) -> None:
         if self._chain:
             self.chain_stats.observe(self._chain, committed)
-        self.tr.observe(draft, logits, committed)
+        self.tr.observe(draft, logits, committed, seconds)

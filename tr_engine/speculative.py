@@ -125,7 +125,7 @@ def speculative_steps(
             td = clock()
             compact(cache, path, compact_kv_)
             te = clock()
-            drafter.observe(draft, logits, committed)  # recycle (and learn)
+            drafter.observe(draft, logits, committed, te - ta)  # recycle (and learn, the step's time too)
             tf = clock()
         for name, dt in zip(phase_s, (tb - ta, tc - tb, td - tc, te - td, tf - te)):
             phase_s[name] += dt
