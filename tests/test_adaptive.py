@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tr_engine import reference
-from tr_engine.adaptive import AdaptiveTrees, ChainStats, RankStats
+from tr_engine.adaptive import DEPTHS, EDGES, AdaptiveTrees, ChainStats, ConfidenceStats, confidence_bin
 from tr_engine.cost import BUCKETS, PREFIXES, CostModel, cost_key, cost_path
 from tr_engine.decode import plain_generate
 from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
@@ -70,45 +70,75 @@ def test_adaptive_and_hybrid_are_lossless_on_30_prompts(tiny, kind, cost):
     assert accepted >= 5  # drafts were accepted, so acceptance and compaction were exercised
 
 
-def test_rank_stats_learn_the_rank_that_is_right():
-    stats = RankStats(k=4, max_depth=3)
-    for _ in range(200):  # the greedy token is always rank 2 of the previous token's row, at every depth
-        stats.observe([[10, 11, 12, 13]] * 3, [12, 12, 12])
+def test_confidence_stats_learn_how_often_each_confidence_is_right():
+    stats = ConfidenceStats()
+    sure, unsure = confidence_bin(0.9), confidence_bin(0.03)
+    for _ in range(200):  # the candidate of confidence 0.9 is right at every depth, the others never
+        stats.observe([[10, 11, 12, 13]] * 3, [[0.03, 0.03, 0.9, 0.04]] * 3, [12, 12, 12])
     rates = stats.rates()
-    assert rates[0][2] > 0.9 and rates[0][0] < 0.05
-    assert rates[2][2] > 0.9  # the deepest depth too (observed here)
-    stats.observe([[5, 5, 5, 5]], [5])  # duplicates in a row: the first rank is the one accept takes
-    assert stats.hits[0][0] > 0 and stats.hits[0][1] < 1e-3
+    assert rates[0][sure] > 0.9 and rates[0][unsure] < 0.05
+    assert rates[DEPTHS - 1][sure] > 0.9  # the deepest class too (observed here)
+    untouched = confidence_bin(0.5)
+    assert rates[0][untouched] == pytest.approx(stats.prior[untouched])  # no observation: the prior
+    stats.observe([[5, 5, 5, 5]], [[0.25, 0.25, 0.25, 0.25]], [5])  # duplicates in a row: the first rank is right
+    quarter = confidence_bin(0.25)
+    assert stats.hits[0][quarter] == pytest.approx(1.0, rel=0.01)  # one hit among four tries, decayed a little
+    assert stats.tries[0][quarter] == pytest.approx(4.0, rel=0.01)
+    assert [confidence_bin(c) for c in (0.0, EDGES[0], 1.0)] == [0, 1, len(EDGES)]
 
 
-def test_best_trees_are_prefix_closed_and_follow_the_rates():
-    trees = AdaptiveTrees(4, FREE, max_tokens=32)
-    for _ in range(300):
-        trees.observe([[1, 2, 3, 4]] * 6, [2, 2, 2, 2, 2, 2])  # rank 1 is always right
-    assert trees.choose(100) == (32, 0)  # trees are free: the biggest
-    paths = trees.paths[:31]
-    assert set(p[:-1] for p in paths if len(p) > 1) <= set(paths)  # every parent is in the tree
-    assert paths[:3] == [(1,), (1, 1), (1, 1, 1)]  # the always-right chain first
-    build_tree(paths)  # valid
+def matrix_with(rows: dict, k: int = 8, vocab: int = 64) -> RecyclingMatrix:
+    """A matrix whose row t holds rows[t] = (ids, confidences); the rest never written."""
+    m = RecyclingMatrix(vocab, k)
+    for t, (ids, conf) in rows.items():
+        m.table[t] = torch.tensor(ids)
+        m.confidence[t] = torch.tensor(conf, dtype=torch.float16)
+    return m
 
 
-def test_size_follows_the_cost_curve():
-    trees = AdaptiveTrees(8, LINEAR)
-    assert trees.choose(100) == (1, 0)  # nothing pays: a plain decode step
+def sure_chain(vocab: int = 64, k: int = 8) -> RecyclingMatrix:
+    """Token t's rank-0 candidate is t+1 with confidence 0.97; the other candidates are unlikely."""
+    return matrix_with({t: ([(t + 1 + r) % vocab for r in range(k)], [0.97] + [0.004] * (k - 1))
+                        for t in range(vocab)}, k, vocab)
+
+
+def trained(trees: AdaptiveTrees, k: int = 8) -> AdaptiveTrees:
+    for _ in range(300):  # confident candidates are always right, the others never
+        trees.observe([list(range(k))] * 6, [[0.97] + [0.004] * (k - 1)] * 6, [0] * 6)
+    return trees
+
+
+def plan(trees, m, root=0, prefix=100, chain=(), values=()):
+    return trees.plan(m.table, m.confidence, root, prefix, list(chain), list(values))
+
+
+def test_trees_follow_the_confident_candidates_and_are_prefix_closed():
+    trees = trained(AdaptiveTrees(8, FREE, max_tokens=32))
+    tree, m = plan(trees, sure_chain())
+    assert tree.size == 32 and m == 0  # trees are free: the biggest
+    assert {(0,) * d for d in range(1, 13)} <= set(tree.paths)  # the whole sure chain, to the depth limit
+    assert max(map(len, tree.paths)) == AdaptiveTrees.MAX_DEPTH
+    assert set(p[:-1] for p in tree.paths if len(p) > 1) <= set(tree.paths)  # every parent is in the tree
+    assert plan(trees, sure_chain())[0] is tree  # a shape is built once
+
+
+def test_size_follows_the_cost_curve_and_the_confidence():
+    trees = trained(AdaptiveTrees(8, LINEAR))
+    assert plan(trees, sure_chain())[0].size == 1  # nothing pays: a plain decode step
     trees.cost = CPU_LIKE
-    for _ in range(300):
-        trees.observe([[1, 2, 3, 4, 5, 6, 7, 8]] * 6, [1] * 6)  # rank 0 always right: long chains pay
-    T, m = trees.choose(100)
-    assert 2 < T < 128 and m == 0
+    T = plan(trees, sure_chain())[0].size
+    assert 2 < T < 128  # a long sure chain pays, a bushy tree does not
+    unsure = matrix_with({0: (list(range(1, 9)), [0.125] * 8)})  # a flat row: nothing worth drafting
+    assert plan(trees, unsure)[0].size <= 2
+    assert plan(trees, matrix_with({}))[0].size <= 2 and trees.expected < 1.01  # a row never written (confidence 0)
     trees.cost = FREE
-    assert trees.choose(100)[0] == 128
+    assert plan(trees, sure_chain())[0].size == 128
 
 
 def test_step_times_correct_the_curve_online():
-    trees = AdaptiveTrees(8, CPU_LIKE)
-    for _ in range(300):
-        trees.observe([[1, 2, 3, 4, 5, 6, 7, 8]] * 6, [1] * 6)  # rank 0 always right: long chains pay
-    T, _ = trees.choose(100)
+    trees = trained(AdaptiveTrees(8, CPU_LIKE))
+    m = sure_chain()
+    T = plan(trees, m)[0].size
     assert trees.times.curve(100) == dict(zip(BUCKETS, CPU_LIKE.curve(100)))  # nothing observed: the calibration
     predicted = CPU_LIKE.seconds(T, 100)
     for _ in range(40):  # steps of this size take 3x what the calibration said (the machine slowed, say)
@@ -119,7 +149,7 @@ def test_step_times_correct_the_curve_online():
     assert now[BUCKETS[-1]] == pytest.approx(3 * CPU_LIKE.cost(BUCKETS[-1], 100), rel=0.01)  # borrowed
     for _ in range(40):  # while plain steps cost what was said: every draft is dearer, relative to them
         trees.observe_step(1, 100, CPU_LIKE.seconds(1, 100))
-    assert trees.choose(100)[0] < T
+    assert plan(trees, m)[0].size < T
     trees.observe_step(1, 100, 1000.0)  # one outlier (a preemption) moves a factor by at most 1/32 of 2x
     assert trees.times.factor[1] == pytest.approx(1 + 1 / 32, rel=1e-3)
     before = trees.times
@@ -146,9 +176,23 @@ def test_chain_stats_and_chain_length_choice():
         chain.observe([1, 2, 3, 4, 5, 6], [1, 2, 3, 9])  # the first three are right, then a miss
     v = chain.values(6)
     assert v[2] > 0.9 and v[3] < 0.05
-    trees = AdaptiveTrees(8, CPU_LIKE)  # prior rates only: the matrix's drafts are weak
-    T, m = trees.choose(100, v)
-    assert m == 3  # exactly the chain tokens that pay
+    trees = AdaptiveTrees(8, CPU_LIKE)  # prior rates only, and an empty matrix: no tree worth drafting
+    tree, m = plan(trees, matrix_with({}), chain=[40, 41, 42, 43, 44, 45], values=v)
+    assert tree.size == 1 and m == 3  # exactly the chain tokens that pay
+
+
+def test_chain_tokens_the_tree_already_drafts_are_not_charged_twice():
+    trees = trained(AdaptiveTrees(8, CPU_LIKE))
+    m = sure_chain()
+    tree, _ = plan(trees, m)
+    alone = trees.expected
+    # A chain that copies the tree's own sure path (0 -> 1 -> 2 -> 3) is the same nodes: no token, no cost added,
+    # and no expected token either (they were counted once, with the tree's odds, which are better here).
+    same, _ = plan(trees, m, chain=[1, 2, 3], values=[0.9, 0.8, 0.7])
+    assert same.size == tree.size and trees.expected == pytest.approx(alone)
+    # Counted twice, as before this rule, those three would have looked worth 2.4 more tokens.
+    other, k = plan(trees, m, chain=[40, 41, 42], values=[0.9, 0.8, 0.7])  # a chain off the tree: charged
+    assert trees.expected > alone + 1.0 and k >= 1
 
 
 def test_graft_chain_buffers():
@@ -205,8 +249,8 @@ def test_measured_curve_is_monotone_and_starts_at_one(tiny):
     # A small cache measures the buckets that fit twice over, and the trees stay within them.
     small = CostModel.measure(tiny, KVCache(tiny.config, 64, torch.float64, "cpu"), {"model": "tiny"}, reps=1)
     assert small.buckets == tuple(T for T in BUCKETS if T <= 32) and max(small.prefixes) <= 32
-    trees = AdaptiveTrees(8, small)
-    assert trees.choose(30)[0] <= 32
+    trees = trained(AdaptiveTrees(8, small))
+    assert plan(trees, sure_chain(), prefix=30)[0].size <= 32
     assert CostModel.measure(tiny, KVCache(tiny.config, 3, torch.float64, "cpu"), {}).buckets == (1,)
 
 

@@ -150,13 +150,34 @@ def test_recycle_duplicate_rule_last_node_wins():
     assert table[3].tolist() == [4, 5] and table[5].tolist() == [7, 8]
 
 
+def test_matrix_confidence_is_the_softmax_of_the_rows_top_k_logits_from_the_node_that_wrote_it():
+    m = RecyclingMatrix(10, 2)
+    tokens = torch.tensor([3, 5, 3])  # token 3 at node 0 and node 2: the row and its confidence come from node 2
+    logits = torch.tensor([[0, 9, 8, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 9, 9, 0],
+                           [0, 0, 0, 0, 2, 0, 0, 0, 0, 0]], dtype=torch.float)
+    m.recycle_(tokens, logits)
+    assert m.table[3].tolist() == [4, 0] and m.table[5].tolist() == [7, 8]
+    e = torch.e ** 2
+    assert m.confidence[3].float().tolist() == pytest.approx([e / (e + 1), 1 / (e + 1)], abs=1e-3)
+    assert m.confidence[5].float().tolist() == pytest.approx([0.5, 0.5], abs=1e-3)
+    assert m.confidence[0].tolist() == [0.0, 0.0]  # never written
+    m.clear_()
+    assert not m.table.any() and not m.confidence.any()
+
+
 def test_matrix_save_load_and_wrong_vocabulary(tmp_path):
     from tr_engine.errors import UserError
 
     m = RecyclingMatrix(50, 4)
     m.table[7] = torch.tensor([1, 2, 3, 4])
+    m.confidence[7] = torch.tensor([0.7, 0.1, 0.1, 0.1], dtype=torch.float16)
     m.save(tmp_path / "m.pt", "abc")
-    assert torch.equal(RecyclingMatrix.load(tmp_path / "m.pt", 50, "abc").table, m.table)
+    loaded = RecyclingMatrix.load(tmp_path / "m.pt", 50, "abc")
+    assert torch.equal(loaded.table, m.table) and torch.equal(loaded.confidence, m.confidence)
+    # A file from before confidences were kept: its written rows load as flat ones, the others as never written.
+    torch.save({"table": m.table, "vocab_size": 50, "fingerprint": "abc"}, tmp_path / "old.pt")
+    old = RecyclingMatrix.load(tmp_path / "old.pt", 50, "abc")
+    assert old.confidence[7].tolist() == [0.25] * 4 and not old.confidence[8].any()
     with pytest.raises(UserError, match="another vocabulary"):
         RecyclingMatrix.load(tmp_path / "m.pt", 51, "abc")
     with pytest.raises(UserError, match="another vocabulary"):

@@ -2,64 +2,73 @@
 verify cost on this machine.
 
 The paper expands a fixed 80-node tree. Which tree pays depends on two things it does not look at:
-- how often each candidate is right. `RankStats` counts, online, how often the model's greedy next token is the
-  rank-r entry of the previous token's matrix row, at each depth of a step. Every committed token is one observation
-  for every rank at once (we look the token up in the row), whatever tree was verified, so the estimates cover nodes
-  the current tree does not have.
+- how likely each candidate is to be right. The matrix keeps, beside each row's ids, their confidence when the row
+  was written (the softmax of the row's top-k logits). The model gave it in another context, so `ConfidenceStats`
+  learns online how often a candidate of each confidence (in bins) is right, by depth: every committed token is one
+  observation for every candidate of its predecessor's row, whatever tree was verified.
 - what verifying T tokens costs (tr_engine/cost.py: measured on this machine, in plain steps), corrected online by
-  `StepTimes` from the decode loop's clock.
+  `StepTimes` from the decode loop's own clock.
 
-Assuming a node is accepted with the product of its path's per-depth rank rates, the expected tokens a step commits
-are 1 (the bonus token) plus the sum of its nodes' path probabilities, and the best tree of n nodes is the n nodes
-with the highest path probabilities (a child's is never above its parent's, so they form a tree). `AdaptiveTrees`
-keeps those nodes sorted, and each step picks the size from the cost model's buckets that maximises
-expected tokens / cost(size) — which may be a plain one-token step when nothing pays, as on a CPU in bf16.
+A node is taken to be accepted with the product of its path's rates, so the expected tokens a step commits are 1
+(the bonus token) plus the sum of its nodes' probabilities, and the best tree of n nodes is the n most probable nodes
+(a child's probability is never above its parent's, so they form a tree). Each step, `AdaptiveTrees.plan` expands the
+root's candidates best first, reading the matrix as it goes (EAGLE-2's dynamic tree, with the recycling matrix as
+the drafter), and picks the size bucket that maximises expected tokens / cost(size), which may be a plain one-token
+step when nothing pays.
 
 Prompt lookup's chain (hybrid drafting) enters the same sum: its j-th token is right with the product of the first j
-per-position rates that `ChainStats` learns, and the chain's length is chosen jointly with the tree's size.
+per-position rates that `ChainStats` learns; chain tokens that follow the tree's own nodes are the same nodes (no
+cost, no extra tokens), and the chain's length is chosen jointly with the tree's size.
 """
 
 import heapq
+from bisect import bisect_right
 from itertools import accumulate
 
 from tr_engine.cost import BUCKETS, CostModel
 from tr_engine.tree import DraftTree, build_tree
 
-# Before any observation: a guess at how often rank r is right, and how many observations it weighs.
-PRIOR = (0.30, 0.10, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01)
-PRIOR_WEIGHT = 8.0
+# A candidate's confidence (its share of its row's top-k mass when the row was written: RecyclingMatrix.confidence)
+# falls in one of these bins; each bin's acceptance rate is learned, per depth class.
+EDGES = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+DEPTHS = 3  # depth classes: the first draft position below the root, the second, and deeper
+PRIOR_WEIGHT = 4.0  # before any observation a bin's rate is half its confidence, worth this many observations
 HALF_LIFE = 512  # observations; older ones fade, so the tree follows the text it is drafting
 
 
-class RankStats:
-    """Decayed counts of 'the greedy next token was rank r of the previous token's matrix row', by depth."""
+def confidence_bin(c: float) -> int:
+    return bisect_right(EDGES, c)
 
-    def __init__(self, k: int, max_depth: int = 12):
-        self.k, self.max_depth = k, max_depth
-        self.hits = [[0.0] * k for _ in range(max_depth)]
-        self.tries = [0.0] * max_depth
+
+class ConfidenceStats:
+    """Decayed counts of 'the greedy next token was the candidate of confidence bin b in the previous token's matrix
+    row', by depth class: how often a candidate of a given confidence is right, learned online (the matrix's
+    confidences are the model's, but from another context: calibrated here, in use)."""
+
+    def __init__(self):
+        bins = len(EDGES) + 1
+        self.hits = [[0.0] * bins for _ in range(DEPTHS)]
+        self.tries = [[0.0] * bins for _ in range(DEPTHS)]
         self.decay = 0.5 ** (1 / HALF_LIFE)
+        mids = [(lo + hi) / 2 for lo, hi in zip((0.0,) + EDGES, EDGES + (1.0,))]
+        self.prior = [m / 2 for m in mids]
 
-    def observe(self, rows: list[list[int]], targets: list[int]) -> None:
-        """rows[d]: the matrix row (before this step's recycle) of the token at depth d of the committed path (the
-        root first); targets[d]: the greedy token that followed it."""
-        for d, (row, target) in enumerate(zip(rows[: self.max_depth], targets)):
-            hits = self.hits[d]
-            for r in range(self.k):
-                hits[r] *= self.decay
-            self.tries[d] = self.tries[d] * self.decay + 1
-            if target in row:
-                hits[row.index(target)] += 1  # the first rank holding it: the one accept would take
+    def observe(self, rows: list[list[int]], confidences: list[list[float]], targets: list[int]) -> None:
+        """rows[d], confidences[d]: the matrix row (before this step's recycle) of the token at depth d of the
+        committed path (the root first); targets[d]: the greedy token that followed it. Every candidate of the row
+        is an observation of its bin: right if it is the first one holding the target (the one accept would take)."""
+        for d, (row, conf, target) in enumerate(zip(rows, confidences, targets)):
+            hits, tries = self.hits[min(d, DEPTHS - 1)], self.tries[min(d, DEPTHS - 1)]
+            right = row.index(target) if target in row else -1
+            for r, c in enumerate(conf):
+                b = confidence_bin(c)
+                tries[b] = tries[b] * self.decay + 1
+                hits[b] = hits[b] * self.decay + (r == right)
 
     def rates(self) -> list[list[float]]:
-        """rates[d][r]: estimated P(rank r is right | the path reached depth d), shrunk towards the rate pooled over
-        depths (deep positions are seen rarely), which is shrunk towards PRIOR."""
-        prior = [PRIOR[r] if r < len(PRIOR) else PRIOR[-1] for r in range(self.k)]
-        total = sum(self.tries)
-        pooled = [(sum(h[r] for h in self.hits) + PRIOR_WEIGHT * prior[r]) / (total + PRIOR_WEIGHT)
-                  for r in range(self.k)]
-        return [[(self.hits[d][r] + PRIOR_WEIGHT * pooled[r]) / (self.tries[d] + PRIOR_WEIGHT) for r in range(self.k)]
-                for d in range(self.max_depth)]
+        """rates[d][b]: estimated P(a candidate of bin b is right | the path reached depth class d)."""
+        return [[(h + PRIOR_WEIGHT * p) / (t + PRIOR_WEIGHT) for h, t, p in zip(hits, tries, self.prior)]
+                for hits, tries in zip(self.hits, self.tries)]
 
 
 class ChainStats:
@@ -128,15 +137,18 @@ class StepTimes:
 
 
 class AdaptiveTrees:
-    """The best tree for each size, from RankStats, re-ranked every `refresh` observations; the size from the cost
-    (the engine sets `cost`, the calibrated curve; StepTimes corrects it online)."""
+    """Each step's tree: the root's most probable continuations in the matrix, as many as pay for their cost. The
+    engine sets `cost` (the calibrated curve); StepTimes corrects it online; ConfidenceStats turns the matrix's
+    confidences into acceptance rates, refreshed every `refresh` observations."""
+
+    MAX_DEPTH = 12
 
     def __init__(self, k: int, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu"):
-        self.stats, self.refresh, self.device = RankStats(k), refresh, device
+        self.k, self.stats, self.refresh, self.device = k, ConfidenceStats(), refresh, device
         self.cost = cost
         self.buckets = tuple(T for T in BUCKETS if T <= max_tokens)
         self.max_step_tokens = self.buckets[-1]
-        self._since = refresh  # rank on first use
+        self._since = refresh  # rates on first use
         self._trees: dict[tuple, DraftTree] = {}
 
     @property
@@ -149,57 +161,79 @@ class AdaptiveTrees:
             self._cost = cost
             self.times = StepTimes(cost) if cost is not None else None
 
-    def observe(self, rows: list[list[int]], targets: list[int]) -> None:
-        self.stats.observe(rows, targets)
+    def observe(self, rows: list[list[int]], confidences: list[list[float]], targets: list[int]) -> None:
+        self.stats.observe(rows, confidences, targets)
         self._since += 1
 
     def observe_step(self, tokens: int, prefix: int, seconds: float) -> None:
         """A verify of `tokens` tokens after `prefix` took `seconds`, drafting to compaction."""
         self.times.observe(tokens, prefix, seconds)
 
-    def _rank(self) -> None:
-        """Best-first expansion: the nodes with the highest path probabilities, in order."""
-        rates, k, depth = self.stats.rates(), self.stats.k, self.stats.max_depth
-        heap = [(-rates[0][r], (r,)) for r in range(k)]
-        heapq.heapify(heap)
-        paths, probs = [], []
-        while heap and len(paths) < self.max_step_tokens - 1:
-            neg, path = heapq.heappop(heap)
-            paths.append(path)
-            probs.append(-neg)
-            if len(path) < depth:
-                for r in range(k):
-                    heapq.heappush(heap, (neg * rates[len(path)][r], path + (r,)))
-        self.paths, self.cum = paths, [0.0] + list(accumulate(probs))
-        self._since = 0
+    def plan(self, table, confidence, root: int, prefix: int, chain: list[int] = (),
+             chain_values: list[float] = ()) -> tuple[DraftTree, int]:
+        """This step's tree from `root` and how many tokens of a prompt-lookup chain to add (`chain`, with the path
+        probabilities `chain_values` of its tokens), maximising expected committed tokens / cost. `table`,
+        `confidence`: the matrix's [V, k] ids and confidences. A tree's size is a bucket; chain tokens that follow
+        the tree's own nodes add nothing but their better odds, the rest are charged at the smallest bucket holding
+        them too.
 
-    def choose(self, prefix: int, chain: list[float] = ()) -> tuple[int, int]:
-        """(tree tokens, chain tokens) maximising expected committed tokens / verify cost; `chain` holds the path
-        probabilities of an available prompt-lookup chain's tokens. A tree's size is a bucket; a chain on top is
-        charged the cost of the next bucket up."""
+        Best-first expansion: a node's probability is its parent's times the rate of its confidence bin at its
+        depth, so the n most probable nodes form a tree (a child is never above its parent) and the expected
+        tokens of a size-T tree is 1 (the bonus token) plus its nodes' probabilities. Nodes are expanded bucket by
+        bucket, only while a bigger tree could still beat the best so far."""
         if self._since >= self.refresh:
-            self._rank()
+            self._rates, self._since = self.stats.rates(), 0
+        rates = self._rates
         curve = self.times.curve(prefix)
         buckets = [T for T in self.buckets if T in curve]  # a curve measured in a small cache stops early
         charged = {}  # tokens -> cost of the smallest bucket holding them
         for T in range(buckets[-1], 0, -1):
             charged[T] = curve[T] if T in curve else charged[T + 1]
-        chain_cum = [0.0] + list(accumulate(chain))
-        best, best_value = (1, 0), 1.0 / charged[1]
-        for T in buckets:
-            tree_value = 1.0 + self.cum[min(T - 1, len(self.cum) - 1)]
-            for m in range(0, min(len(chain), buckets[-1] - T) + 1):
-                value = (tree_value + chain_cum[m]) / charged[T + m]
-                if value > best_value:
-                    best, best_value = (T, m), value
-        return best
+        chain_cum = [0.0] + list(accumulate(chain_values))
+        best, best_value, self.expected = (1, 0), 1.0 / charged[1], 1.0
+        heap, paths, expected = [], [], 1.0
+        prob, kids = {(): 1.0}, {}  # a chosen node's probability; (parent path, token) -> child path
 
-    def tree(self, tokens: int) -> DraftTree:
-        """The current best tree of `tokens` tokens (root included)."""
-        paths = tuple(self.paths[: tokens - 1])
+        def expand(token: int, path: tuple, p: float) -> None:
+            d = min(len(path), DEPTHS - 1)
+            for r, (child, c) in enumerate(zip(table[token].tolist(), confidence[token].tolist())):
+                heapq.heappush(heap, (-p * rates[d][confidence_bin(c)], path + (r,), child))
+
+        expand(root, (), 1.0)
+        for i, T in enumerate(buckets):
+            while len(paths) < T - 1 and heap:
+                neg, path, token = heapq.heappop(heap)
+                paths.append(path)
+                prob[path] = -neg
+                kids.setdefault((path[:-1], token), path)
+                expected -= neg
+                if len(path) < self.MAX_DEPTH:
+                    expand(token, path, -neg)
+            if len(paths) < T - 1:
+                break
+            shared, gain, node = 0, [0.0], ()  # the chain's first tokens that are tree nodes already
+            while shared < len(chain) and (node := kids.get((node, chain[shared]))) is not None:
+                gain.append(gain[-1] + max(0.0, chain_values[shared] - prob[node]))
+                shared += 1
+            for m in range(len(chain) + 1):
+                s = min(m, shared)
+                if T + m - s > buckets[-1]:
+                    break
+                tokens = expected + gain[s] + chain_cum[m] - chain_cum[s]
+                if tokens / charged[T + m - s] > best_value:
+                    best, best_value, self.expected = (T, m), tokens / charged[T + m - s], tokens
+            # A bigger tree adds nodes no more probable than the heap's best: stop when none could win.
+            top = -heap[0][0] if heap else 0.0
+            if all((expected + top * (U - T) + chain_cum[-1]) / charged[U] <= best_value for U in buckets[i + 1:]):
+                break
+        T, m = best  # self.expected: the tokens this step should commit (a diagnostic)
+        return self.tree(tuple(paths[: T - 1])), m
+
+    def tree(self, paths: tuple) -> DraftTree:
+        """The tree of these rank paths (built once, kept while few enough shapes recur)."""
         tree = self._trees.get(paths)
         if tree is None:
-            if len(self._trees) > 256:
+            if len(self._trees) > 4096:
                 self._trees.clear()
             tree = self._trees[paths] = build_tree(paths).to(self.device)
         return tree

@@ -33,9 +33,13 @@ class TokenRecycling:
         self._root, self._prefix = None, 0
 
     def propose(self, history: list[int]) -> Draft:
+        return self.draft(history, self.plan(history)[0] if self.adaptive else self.tree)
+
+    def plan(self, history: list[int], chain: list[int] = (), chain_values: list[float] = ()) -> tuple[DraftTree, int]:
+        """The adaptive tree for this step (from the root's candidates in the matrix) and the chain tokens to add."""
         self._prefix = len(history)
-        tree = self.adaptive.tree(self.adaptive.choose(len(history))[0]) if self.adaptive else self.tree
-        return self.draft(history, tree)
+        return self.adaptive.plan(self.matrix.table, self.matrix.confidence, history[-1], len(history), chain,
+                                  chain_values)
 
     def draft(self, history: list[int], tree: DraftTree) -> Draft:
         self._root = history[-1]
@@ -45,8 +49,8 @@ class TokenRecycling:
     def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int], seconds: float = 0.0) -> None:
         if self.adaptive is not None:  # how the greedy path ranked in the rows that drafted it, before recycling
             table = self.matrix.table
-            rows = table[torch.tensor([self._root] + committed[:-1], device=table.device)].tolist()
-            self.adaptive.observe(rows, committed)
+            path = torch.tensor([self._root] + committed[:-1], device=table.device)
+            self.adaptive.observe(table[path].tolist(), self.matrix.confidence[path].tolist(), committed)
             if seconds > 0.0:
                 self.adaptive.observe_step(draft.tree.size, self._prefix, seconds)
         self.matrix.recycle_(draft.tokens, logits)
@@ -103,11 +107,9 @@ class Hybrid:
 
     def propose(self, history: list[int]) -> Draft:
         chain = self._chain = self.lookup.lookup(history)
-        self.tr._prefix = len(history)
-        adaptive = self.tr.adaptive
-        if adaptive is not None:
-            T, m = adaptive.choose(len(history), self.chain_stats.values(len(chain)))
-            tree, chain = adaptive.tree(T), chain[:m]
+        if self.tr.adaptive is not None:
+            tree, m = self.tr.plan(history, chain, self.chain_stats.values(len(chain)))
+            chain = chain[:m]
         else:
             tree = self.tr.tree
         draft = self.tr.draft(history, tree)

@@ -17,12 +17,17 @@ from tr_engine.tree import DraftTree
 
 
 class RecyclingMatrix:
-    """`update` is the recycle op (tr_engine.ops: the kernel or its reference), with recycle_update_'s contract."""
+    """`update` is the recycle op (tr_engine.ops: the kernel or its reference), with recycle_update_'s contract.
+
+    Beside each row's ids it keeps their confidence: the softmax of the row's k logits when it was written (the
+    candidates' shares of the row's top-k mass; 0 for a row never written). The adaptive tree reads it to spend its
+    nodes where the model was sure (tr_engine/adaptive.py); the paper's static tree ignores it."""
 
     def __init__(self, vocab_size: int, k: int = 8, device="cpu", update=reference.recycle_update_):
         if k < 1:
             raise UserError(f"--matrix-k must be at least 1, got {k}")
         self.table = torch.zeros(vocab_size, k, dtype=torch.long, device=device)  # [V, k] token ids
+        self.confidence = torch.zeros(vocab_size, k, dtype=torch.float16, device=device)  # [V, k]
         self.update = update
 
     @property
@@ -42,10 +47,17 @@ class RecyclingMatrix:
         """Every verify token's row <- the top-k of the logits at its node ([T] ids, [T, V] logits); a token at
         several nodes takes the last node's, in breadth-first order."""
         self.update(self.table, tokens, logits)
+        ids = tokens.tolist()
+        last = sorted({t: i for i, t in enumerate(ids)}.values())  # the node each row was written from
+        if len(last) < len(ids):
+            where = torch.tensor(last, device=tokens.device)
+            tokens, logits = tokens[where], logits[where]
+        self.confidence[tokens] = logits.gather(1, self.table[tokens]).float().softmax(dim=-1).half()
 
     def clear_(self) -> None:
         """Back to the state of a new matrix (a cold start)."""
         self.table.zero_()
+        self.confidence.zero_()
 
     def seed_(self, prompt_ids: list[int], logits: torch.Tensor) -> None:
         """Seed from a prefill: each prompt token's row <- the top-k of the logits at its position."""
@@ -56,7 +68,8 @@ class RecyclingMatrix:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        torch.save({"table": self.table.cpu(), "vocab_size": self.table.shape[0], "fingerprint": fingerprint}, tmp)
+        torch.save({"table": self.table.cpu(), "confidence": self.confidence.cpu(), "vocab_size": self.table.shape[0],
+                    "fingerprint": fingerprint}, tmp)
         os.replace(tmp, path)
 
     @classmethod
@@ -73,4 +86,9 @@ class RecyclingMatrix:
                             f"this model: {vocab_size}, {fingerprint}); delete it or use another --matrix file")
         m = cls(vocab_size, table.shape[1], device)
         m.table.copy_(table)
+        confidence = data.get("confidence")
+        if isinstance(confidence, torch.Tensor) and confidence.shape == table.shape:
+            m.confidence.copy_(confidence)
+        else:  # a file from before confidences were kept: every written row as flat as can be
+            m.confidence.copy_((table != 0).any(dim=1, keepdim=True).expand_as(table) / table.shape[1])
         return m
