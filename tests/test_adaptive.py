@@ -266,6 +266,11 @@ def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, t
         assert engine.generate(prompt, 40, method=method).token_ids == ar.token_ids, method
     saved = list((tmp_path / "costs").glob("*.json"))
     assert len(saved) == 1 and json.loads(saved[0].read_text())["key"]["dtype"] == "float64"
+    flat = CostModel.flat(40)  # a pinned curve stays: the engine does not swap in its own, the steps do not correct it
+    pinned = engine.new_drafter("hybrid", "adaptive", cost=flat, max_tokens=40)
+    got = engine.generate(prompt, 40, drafter=pinned)
+    assert got.token_ids == ar.token_ids and pinned.adaptive.cost is flat and pinned.adaptive.times.factor == {}
+    assert max(got.generation.verify_tokens) == 40
 
     def no_measuring(*a, **k):
         raise AssertionError("the cached cost curve should have been used")

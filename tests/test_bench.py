@@ -42,15 +42,18 @@ def test_specbench_adaptive_methods_report_their_tree_sizes(tiny_factory, tmp_pa
     questions.write_text(json.dumps({"question_id": 1, "category": "rag", "turns": ["a b c a b c a b c a b"]}) + "\n")
     out, home = tmp_path / "out", tmp_path / "home"
     proc = run_module("bench.specbench", "--model", str(tiny_factory("bench", dtype=torch.float64)), "--dtype",
-                      "float64", "--questions", str(questions), "--methods", "tr-adaptive", "hybrid",
+                      "float64", "--questions", str(questions), "--methods", "tr-adaptive", "hybrid", "hybrid-81",
                       "--max-new-tokens", "12", "--warmup", "1", "--threads", "1", "--out", str(out),
                       env={**os.environ, "TR_ENGINE_HOME": str(home)})
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in records] == ["ar", "tr-adaptive", "hybrid"]
+    assert [r["method"] for r in records] == ["ar", "tr-adaptive", "hybrid", "hybrid-81"]
     for r in records:
         assert r["identical"]
         assert len(r["verify_tokens"]) == r["steps"] and all(t >= 1 for t in r["verify_tokens"])
+    # At the static tree's size whatever the cost: 80 tokens (the biggest bucket within 81), or a 64-token tree with
+    # a prompt-lookup chain (charged as 80) where the chain is worth more than the tree's last 16 nodes.
+    assert all(64 < t <= 80 for t in records[-1]["verify_tokens"][:-1])
     summary = (out / "summary.md").read_text()
     assert "Tokens per verify" in summary and "| hybrid |" in summary and "tree_sizes.png" in summary
     assert (out / "tree_sizes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -143,9 +143,11 @@ class AdaptiveTrees:
 
     MAX_DEPTH = 12
 
-    def __init__(self, k: int, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu"):
+    def __init__(self, k: int, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu",
+                 pinned: bool = False):
         self.k, self.stats, self.refresh, self.device = k, ConfidenceStats(), refresh, device
         self.cost = cost
+        self.pinned = pinned  # the cost curve stays the one given: the engine does not set it, steps do not correct it
         self.buckets = tuple(T for T in BUCKETS if T <= max_tokens)
         self.max_step_tokens = self.buckets[-1]
         self._since = refresh  # rates on first use
@@ -167,7 +169,8 @@ class AdaptiveTrees:
 
     def observe_step(self, tokens: int, prefix: int, seconds: float) -> None:
         """A verify of `tokens` tokens after `prefix` took `seconds`, drafting to compaction."""
-        self.times.observe(tokens, prefix, seconds)
+        if not self.pinned:
+            self.times.observe(tokens, prefix, seconds)
 
     def plan(self, table, confidence, root: int, prefix: int, chain: list[int] = (),
              chain_values: list[float] = ()) -> tuple[DraftTree, int]:

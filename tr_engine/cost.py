@@ -104,6 +104,14 @@ class CostModel:
         return rel * plain
 
     @classmethod
+    def flat(cls, max_tokens: int = BUCKETS[-1]) -> "CostModel":
+        """Every verify up to `max_tokens` costs one plain step: a device with compute to spare, in the limit. Pinned to
+        a drafter (Engine.new_drafter's `cost`), it makes the adaptive tree as big as allowed: its drafts at a given
+        size, compared with a static tree's."""
+        buckets = tuple(T for T in BUCKETS if T <= max_tokens)
+        return cls(buckets, PREFIXES, [[1.0] * len(buckets)] * 2, [0.0, 0.0], {"flat": max_tokens})
+
+    @classmethod
     def measure(cls, model, cache, key: dict, reps: int = 3) -> "CostModel":
         """Time the buckets that fit twice over in the cache (all of them from 256 slots up), after the PREFIXES
         clamped to what the biggest leaves. A cache too small for a draft gets a curve of plain steps only."""

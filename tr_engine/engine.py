@@ -14,7 +14,7 @@ import torch
 
 from tr_engine.decode import Generation, plain_steps, run_to_end
 from tr_engine.adaptive import AdaptiveTrees
-from tr_engine.cost import CostModel, cost_key, cost_path
+from tr_engine.cost import BUCKETS, CostModel, cost_key, cost_path
 from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
 from tr_engine.errors import UserError
 from tr_engine.kv_cache import KVCache
@@ -96,10 +96,13 @@ class Engine:
         self.on_calibrate = None  # called (no arguments) just before the cost curve is measured: a notice, say
         self.drafters = {m: self.new_drafter(m, matrix=self.matrix) for m in ("tr", "pld", "hybrid")}
 
-    def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None):
+    def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None,
+                    cost: CostModel | None = None, max_tokens: int = BUCKETS[-1]):
         """A drafter for `method` (tr, pld, hybrid) with the engine's tree setting or `tree` ("adaptive", "2.2.2", a
         file), drafting from `matrix` (default: a new, empty one). Pass it to generate/stream as `drafter=` to run
-        several configurations side by side on one model, each with its own state (the benchmarks do)."""
+        several configurations side by side on one model, each with its own state (the benchmarks do). An adaptive
+        tree prices its sizes with the engine's measured curve, or with `cost` pinned (CostModel.flat, say), and
+        verifies at most `max_tokens` tokens."""
         if method == "pld":
             return PromptLookup(self.cache.data.device)
         if method not in ("tr", "hybrid"):
@@ -108,7 +111,10 @@ class Engine:
         if matrix is None:
             matrix = RecyclingMatrix(self.model.config.vocab_size, self.matrix_k, self.cache.data.device,
                                      self.ops.recycle_update_)
-        adaptive = AdaptiveTrees(matrix.k, None, device=self.cache.data.device) if tree == ADAPTIVE else None
+        adaptive = None
+        if tree == ADAPTIVE:
+            adaptive = AdaptiveTrees(matrix.k, cost, max_tokens, device=self.cache.data.device,
+                                     pinned=cost is not None)
         static = self.tree if tree in (self.tree_spec, ADAPTIVE) else load_tree(tree, matrix.k)
         tr = TokenRecycling(matrix, static, adaptive)
         return Hybrid(tr, PromptLookup(self.cache.data.device)) if method == "hybrid" else tr
@@ -240,7 +246,8 @@ class Engine:
         if method != "ar":
             drafter = drafter or self.drafters[method]
             adaptive = getattr(drafter, "adaptive", None)
-            if adaptive is not None:  # the engine's current curve (measuring, once, overwrites the cache: do it first)
+            # The engine's current curve, unless the drafter has its own (measuring, once, overwrites the cache: first).
+            if adaptive is not None and not adaptive.pinned:
                 adaptive.cost = self.cost_model()
         keep = shared_prefix(self.cached_ids, ids) if reuse_cache else 0
         self.cache.length = min(keep, len(ids) - 1)  # the last prompt token is always run: its logits start decoding
