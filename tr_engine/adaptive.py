@@ -128,11 +128,12 @@ class StepTimes:
     def curve(self, prefix: int) -> dict[int, float]:
         """The estimated cost of a step of each bucket size after `prefix` cached tokens, in the calibration's plain
         steps (the calibrated curve, corrected)."""
-        buckets, seen = self.model.buckets, sorted(self.factor)
+        buckets = self.model.buckets
+        seen = [(i, T) for i, T in enumerate(buckets) if T in self.factor]
         out = {}
-        for i, T in enumerate(buckets):
-            near = min(seen, key=lambda b: (abs(buckets.index(b) - i), -b)) if seen else None
-            out[T] = self.model.cost(T, prefix) * (self.factor[near] if near is not None else 1.0)
+        for i, (T, c) in enumerate(zip(buckets, self.model.curve(prefix))):
+            near = min(seen, key=lambda s: (abs(s[0] - i), -s[0]))[1] if seen else None
+            out[T] = c * (self.factor[near] if near is not None else 1.0)
         return out
 
 

@@ -90,7 +90,9 @@ class CostModel:
         return (1 - w) * rows[0][i] + w * rows[1][i]
 
     def curve(self, prefix: int) -> list[float]:
-        return [self.cost(T, prefix) for T in self.buckets]
+        """The relative cost of every bucket after `prefix` cached tokens."""
+        w = self._weight(prefix)
+        return [(1 - w) * a + w * b for a, b in zip(*self.relative)]
 
     def seconds(self, tokens: int, prefix: int) -> float:
         """Predicted seconds of a verify of any `tokens` up to the largest bucket (linear between buckets)."""
