@@ -47,7 +47,7 @@ class TokenRecycling:
         return Draft(tree, self.matrix.retrieve(root, tree))
 
     def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int], seconds: float = 0.0) -> None:
-        if self.adaptive is not None:  # how the greedy path ranked in the rows that drafted it, before recycling
+        if self.adaptive is not None:  # how the committed path fared in the rows that drafted it, before recycling
             table = self.matrix.table
             path = torch.tensor([self._root] + committed[:-1], device=table.device)
             self.adaptive.observe(table[path].tolist(), self.matrix.confidence[path].tolist(), committed)

@@ -44,8 +44,8 @@ class RecyclingMatrix:
         return tokens
 
     def recycle_(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """Every verify token's row <- the top-k of the logits at its node ([T] ids, [T, V] logits); a token at
-        several nodes takes the last node's, in breadth-first order."""
+        """Every verify token's row <- the top-k of the logits at its node ([T] ids, [T, V] logits), and its
+        confidences <- their softmax; a token at several nodes takes the last node's, in breadth-first order."""
         self.update(self.table, tokens, logits)
         ids = tokens.tolist()
         last = sorted({t: i for i, t in enumerate(ids)}.values())  # the node each row was written from
