@@ -45,7 +45,7 @@ def generate(model, drafter, prompt, n, eos=()):
 
 def drafter(kind: str, cost: CostModel | None, vocab: int):
     matrix = RecyclingMatrix(vocab, 8)
-    adaptive = AdaptiveTrees(8, cost) if cost is not None else None
+    adaptive = AdaptiveTrees(cost) if cost is not None else None
     tr = TokenRecycling(matrix, load_tree("2.2.2"), adaptive)
     return Hybrid(tr, PromptLookup("cpu", length=6)) if kind == "hybrid" else tr
 
@@ -113,7 +113,7 @@ def plan(trees, m, root=0, prefix=100, chain=(), values=()):
 
 
 def test_trees_follow_the_confident_candidates_and_are_prefix_closed():
-    trees = trained(AdaptiveTrees(8, FREE, max_tokens=32))
+    trees = trained(AdaptiveTrees(FREE, max_tokens=32))
     tree, m = plan(trees, sure_chain())
     assert tree.size == 32 and m == 0  # trees are free: the biggest
     assert {(0,) * d for d in range(1, 13)} <= set(tree.paths)  # the whole sure chain, to the depth limit
@@ -123,7 +123,7 @@ def test_trees_follow_the_confident_candidates_and_are_prefix_closed():
 
 
 def test_size_follows_the_cost_curve_and_the_confidence():
-    trees = trained(AdaptiveTrees(8, LINEAR))
+    trees = trained(AdaptiveTrees(LINEAR))
     assert plan(trees, sure_chain())[0].size == 1  # nothing pays: a plain decode step
     trees.cost = CPU_LIKE
     T = plan(trees, sure_chain())[0].size
@@ -136,7 +136,7 @@ def test_size_follows_the_cost_curve_and_the_confidence():
 
 
 def test_step_times_correct_the_curve_online():
-    trees = trained(AdaptiveTrees(8, CPU_LIKE))
+    trees = trained(AdaptiveTrees(CPU_LIKE))
     m = sure_chain()
     T = plan(trees, m)[0].size
     assert trees.times.curve(100) == dict(zip(BUCKETS, CPU_LIKE.curve(100)))  # nothing observed: the calibration
@@ -176,13 +176,13 @@ def test_chain_stats_and_chain_length_choice():
         chain.observe([1, 2, 3, 4, 5, 6], [1, 2, 3, 9])  # the first three are right, then a miss
     v = chain.values(6)
     assert v[2] > 0.9 and v[3] < 0.05
-    trees = AdaptiveTrees(8, CPU_LIKE)  # prior rates only, and an empty matrix: no tree worth drafting
+    trees = AdaptiveTrees(CPU_LIKE)  # prior rates only, and an empty matrix: no tree worth drafting
     tree, m = plan(trees, matrix_with({}), chain=[40, 41, 42, 43, 44, 45], values=v)
     assert tree.size == 1 and m == 3  # exactly the chain tokens that pay
 
 
 def test_chain_tokens_the_tree_already_drafts_are_not_charged_twice():
-    trees = trained(AdaptiveTrees(8, CPU_LIKE))
+    trees = trained(AdaptiveTrees(CPU_LIKE))
     m = sure_chain()
     tree, _ = plan(trees, m)
     alone = trees.expected
@@ -249,7 +249,7 @@ def test_measured_curve_is_monotone_and_starts_at_one(tiny):
     # A small cache measures the buckets that fit twice over, and the trees stay within them.
     small = CostModel.measure(tiny, KVCache(tiny.config, 64, torch.float64, "cpu"), {"model": "tiny"}, reps=1)
     assert small.buckets == tuple(T for T in BUCKETS if T <= 32) and max(small.prefixes) <= 32
-    trees = trained(AdaptiveTrees(8, small))
+    trees = trained(AdaptiveTrees(small))
     assert plan(trees, sure_chain(), prefix=30)[0].size <= 32
     assert CostModel.measure(tiny, KVCache(tiny.config, 3, torch.float64, "cpu"), {}).buckets == (1,)
 

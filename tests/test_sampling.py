@@ -133,7 +133,7 @@ def make_drafter(kind: str, vocab: int):
     matrix = RecyclingMatrix(vocab, 8)
     if kind == "pld":
         return PromptLookup("cpu", length=6)
-    adaptive = {"tr": None, "tr-adaptive": AdaptiveTrees(8, CPU_LIKE), "hybrid": AdaptiveTrees(8, FREE)}[kind]
+    adaptive = {"tr": None, "tr-adaptive": AdaptiveTrees(CPU_LIKE), "hybrid": AdaptiveTrees(FREE)}[kind]
     tr = TokenRecycling(matrix, load_tree("2.2.2"), adaptive)
     return Hybrid(tr, PromptLookup("cpu", length=6)) if kind == "hybrid" else tr
 

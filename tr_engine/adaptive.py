@@ -144,9 +144,9 @@ class AdaptiveTrees:
 
     MAX_DEPTH = 12
 
-    def __init__(self, k: int, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu",
+    def __init__(self, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu",
                  pinned: bool = False):
-        self.k, self.stats, self.refresh, self.device = k, ConfidenceStats(), refresh, device
+        self.stats, self.refresh, self.device = ConfidenceStats(), refresh, device
         self.cost = cost
         self.pinned = pinned  # the cost curve stays the one given: the engine does not set it, steps do not correct it
         self.buckets = tuple(T for T in BUCKETS if T <= max_tokens)

@@ -113,8 +113,7 @@ class Engine:
                                      self.ops.recycle_update_)
         adaptive = None
         if tree == ADAPTIVE:
-            adaptive = AdaptiveTrees(matrix.k, cost, max_tokens, device=self.cache.data.device,
-                                     pinned=cost is not None)
+            adaptive = AdaptiveTrees(cost, max_tokens, device=self.cache.data.device, pinned=cost is not None)
         static = self.tree if tree in (self.tree_spec, ADAPTIVE) else load_tree(tree, matrix.k)
         tr = TokenRecycling(matrix, static, adaptive)
         return Hybrid(tr, PromptLookup(self.cache.data.device)) if method == "hybrid" else tr
