@@ -65,3 +65,10 @@ def smollm2(smollm2_dir):
     from tr_engine.engine import Engine
 
     return Engine.from_pretrained(str(smollm2_dir), dtype="float32", max_context=1024)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16(smollm2_dir):
+    from tr_engine.engine import Engine
+
+    return Engine.from_pretrained(str(smollm2_dir), dtype="bfloat16", max_context=1024)

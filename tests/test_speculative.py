@@ -10,6 +10,7 @@ import torch
 from tr_engine import reference
 from tr_engine.decode import plain_generate
 from tr_engine.drafters import Draft, PromptLookup, TokenRecycling
+from tr_engine.engine import shared_prefix
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
 from tr_engine.speculative import accept, speculative_generate
@@ -198,6 +199,30 @@ def test_smollm2_fp32_methods_emit_the_ar_tokens(smollm2, method):
         other = smollm2.generate(prompt, max_new_tokens=48, method=method)
         assert other.token_ids == ar.token_ids, (method, prompt)
         assert len(other.generation.accept_lengths) < len(ar.token_ids)  # some step accepted a draft
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_speculative_decoding_is_bitwise_lossless(smollm2_bf16):
+    """In bfloat16 too: the matmul and attention kernels are row-independent, so a verify row computes exactly what a
+    decode step computes, and every drafter commits plain decoding's tokens. The static 81-node tree puts tree keys
+    at every depth; the second turn reuses a cache that the first turn's verify steps filled."""
+    engine = smollm2_bf16
+    drafters = {"tr-adaptive": engine.new_drafter("tr"), "tr-2.2.2": engine.new_drafter("tr", tree="2.2.2"),
+                "pld": engine.new_drafter("pld"), "hybrid": engine.new_drafter("hybrid")}
+    question = "Explain why the sky is blue in two sentences."
+    for name, drafter in drafters.items():
+        first = engine.generate(question, max_new_tokens=48, drafter=drafter)
+        assert first.token_ids == engine.generate(question, max_new_tokens=48, method="ar").token_ids, name
+        conversation = [{"role": "user", "content": question}, {"role": "assistant", "content": first.text},
+                        {"role": "user", "content": "Now say it again, in other words."}]
+        engine.generate(conversation[:1], max_new_tokens=48, drafter=drafter)  # fills the cache by verify steps
+        reused = shared_prefix(engine.cached_ids, engine.prompt_ids(conversation))
+        assert reused > len(engine.prompt_ids(conversation[:1])), name  # the answer's K/V are reused
+        second = engine.generate(conversation, max_new_tokens=48, drafter=drafter, reuse_cache=True)
+        engine.generate(conversation[:1], max_new_tokens=48, method="ar")
+        plain = engine.generate(conversation, max_new_tokens=48, method="ar", reuse_cache=True)
+        assert second.token_ids == plain.token_ids, name
+        assert len(second.generation.accept_lengths) < len(plain.token_ids), name  # drafts were accepted
 
 
 def test_generate_command_methods_agree_and_matrix_round_trips(tiny_factory, tmp_path):

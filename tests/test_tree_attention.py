@@ -140,3 +140,29 @@ def test_cuda_kernel(dtype, T, P, heads, D):
     else:
         ref_err = (reference.tree_attention(q, k, v, P, mask, D**-0.5).double() - want).abs().max().item()
         assert (got.double() - want).abs().max().item() <= 2 * ref_err + 1e-6
+
+
+def as_decode_step(q, k, v, P, mask, t):
+    """Token t's row the way a plain decode step computes it: its ancestors (in index order) and itself moved into
+    the cache right after the P prefix slots, attending as a one-node tree."""
+    seen = mask[t].nonzero().flatten()  # its visible tree keys, in index order
+    n = len(seen)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, P : P + n], v2[:, P : P + n] = k[:, P + seen], v[:, P + seen]
+    one = torch.ones(1, 1, dtype=torch.bool)
+    return kernels.tree_attention(q[t : t + 1], k2, v2, P + n - 1, one, 0.125)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("P", [0, 1, 200, 250, 255, 256, 700])
+@pytest.mark.parametrize("heads,D", [((9, 3), 64), ((8, 1), 48), ((4, 4), 64)], ids=["gqa9x3", "mqa8-d48", "mha4"])
+def test_a_tree_row_is_bitwise_its_decode_step(dtype, P, heads, D):
+    """Row independence: each verify row gives exactly the bits of the plain decode step that sees the same keys, so
+    greedy speculative decoding commits the tokens of plain decoding in every dtype (not just to rounding)."""
+    T = 40
+    q, k, v, g = operands(T, P, *heads, D, dtype, seed=P + D, S=P + T + 5)
+    chain = torch.ones(T, T, dtype=torch.bool).tril()  # deep enough to cross a 256-key block from P = 250
+    for mask in (random_tree_mask(T, g), chain):
+        got = kernels.tree_attention(q, k, v, P, mask, 0.125)
+        for t in range(T):
+            assert torch.equal(got[t], as_decode_step(q, k, v, P, mask, t)), f"token {t}"

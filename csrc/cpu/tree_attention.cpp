@@ -1,10 +1,12 @@
 // CPU kernel of tr_engine::tree_attention, the attention of a verify step: each of the T tree tokens attends to every
 // cached prefix key and to its own ancestors in the tree. A task is 6 query rows of one KV head (the G query heads
-// that share it, for one or more tokens), and both parts run through the same register-tiled micro-GEMMs:
-//  - the prefix part is dense and needs no mask: scores against all P keys, read once for the task's rows;
+// that share it, for one or more tokens), and all scores and outputs run through the same register-tiled micro-GEMMs:
+//  - whole blocks of prefix keys need no mask: scores against all their keys, read once for the task's rows;
 //  - the tree part is sparse (a token sees depth + 1 of the T tree keys): the task gathers just the union of its
-//    tokens' ancestors (a dozen keys, not T) as extra columns, and masks the few that a row does not see.
-// No [T, P + T] mask is ever built. Softmax runs in float (double for float64 inputs) over both parts together.
+//    tokens' ancestors (a dozen keys, not T), and each token's rows pick theirs out of those scores.
+// No [T, P + T] mask is ever built. Softmax runs in float (double for float64 inputs). The kernel is row-independent:
+// a row's bits depend only on its query and the keys it sees (attend_rows says how), so a verify step reproduces
+// plain decoding exactly, in bfloat16 too.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -30,7 +33,7 @@ using tr_engine_cpu::to_float;
 constexpr int64_t kRows = 6;
 constexpr int64_t kCols = 64;
 constexpr int64_t kKeyPad = 16;  // prefix keys are padded to a multiple of this (one vector), not of kCols
-constexpr int64_t kKeyBlock = 256;  // prefix keys per softmax block: 6 rows of scores stay in L1 (6 KB)
+constexpr int64_t kKeyBlock = 256;  // keys per softmax block: 6 rows of scores stay in L1 (6 KB)
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -81,13 +84,15 @@ void scores_tile(const Acc* q, int64_t D, const Acc* kt, int64_t ldk, int64_t n,
   for (; j0 < n; j0 += kKeyPad) scores_chunk<Acc, R, kKeyPad>(q, D, kt, ldk, j0, s, lds);
 }
 
-// o[r, c0 + c] += sum_{j < n} p[r, j] * v[j, c0 + c] for r < R and the W columns from c0. v [n, >= c0 + W] in its
-// storage type (converted in the loop: bf16 -> float is a shift), rows ldv apart; o [R, D].
+// o[r, c0 + c] += sum_{j < n} p[r, j] * rows[j][c0 + c] for r < R and the W columns from c0: one block's value rows
+// (cache rows or tree rows, wherever they are) in their storage type, converted in the loop (bf16 -> float is a
+// shift); o [R, D]. The sum runs over j in order whatever the rows' source, so a row's output bits depend only on
+// which value rows it sees, in which order.
 template <typename Acc, int64_t R, int64_t W, typename V>
-void values_chunk(const Acc* p, int64_t ldp, const V* v, int64_t ldv, int64_t c0, int64_t n, Acc* o, int64_t D) {
+void values_chunk(const Acc* p, int64_t ldp, const V* const* rows, int64_t c0, int64_t n, Acc* o, int64_t D) {
   Acc acc[R][W] = {};
   for (int64_t j = 0; j < n; ++j) {
-    const V* vj = v + j * ldv + c0;
+    const V* vj = rows[j] + c0;
     for (int64_t r = 0; r < R; ++r) {
       const Acc pv = p[r * ldp + j];
 #pragma omp simd
@@ -100,24 +105,49 @@ void values_chunk(const Acc* p, int64_t ldp, const V* v, int64_t ldv, int64_t c0
 
 // All D columns: wide chunks, then one vector, then single columns (head dims that are not a multiple of 16).
 template <typename Acc, int64_t R, typename V>
-void values_tile(const Acc* p, int64_t ldp, const V* v, int64_t ldv, int64_t n, Acc* o, int64_t D) {
+void values_tile(const Acc* p, int64_t ldp, const V* const* rows, int64_t n, Acc* o, int64_t D) {
   int64_t c0 = 0;
-  for (; c0 + kCols <= D; c0 += kCols) values_chunk<Acc, R, kCols>(p, ldp, v, ldv, c0, n, o, D);
-  for (; c0 + kKeyPad <= D; c0 += kKeyPad) values_chunk<Acc, R, kKeyPad>(p, ldp, v, ldv, c0, n, o, D);
-  for (; c0 < D; ++c0) values_chunk<Acc, R, 1>(p, ldp, v, ldv, c0, n, o, D);
+  for (; c0 + kCols <= D; c0 += kCols) values_chunk<Acc, R, kCols>(p, ldp, rows, c0, n, o, D);
+  for (; c0 + kKeyPad <= D; c0 += kKeyPad) values_chunk<Acc, R, kKeyPad>(p, ldp, rows, c0, n, o, D);
+  for (; c0 < D; ++c0) values_chunk<Acc, R, 1>(p, ldp, rows, c0, n, o, D);
 }
 
+// values_tile for a runtime number of rows (1..kRows), each count compiled on its own.
+template <typename Acc, typename V>
+void values_rows(int64_t rows_n, const Acc* p, int64_t ldp, const V* const* rows, int64_t n, Acc* o, int64_t D) {
+  switch (rows_n) {
+    case 1: values_tile<Acc, 1>(p, ldp, rows, n, o, D); break;
+    case 2: values_tile<Acc, 2>(p, ldp, rows, n, o, D); break;
+    case 3: values_tile<Acc, 3>(p, ldp, rows, n, o, D); break;
+    case 4: values_tile<Acc, 4>(p, ldp, rows, n, o, D); break;
+    case 5: values_tile<Acc, 5>(p, ldp, rows, n, o, D); break;
+    default: values_tile<Acc, kRows>(p, ldp, rows, n, o, D); break;
+  }
+}
+
+// A buffer aligned to 64 bytes (one vector). Every row of scores starts on a vector boundary, so a vectorised sum
+// over a row splits into lanes the same way wherever the row lives: part of what makes the results row-independent.
+template <typename T>
+struct Aligned {
+  struct Free {
+    void operator()(T* p) const { ::operator delete[](p, std::align_val_t(64)); }
+  };
+  std::unique_ptr<T[], Free> ptr;
+  explicit Aligned(int64_t n) : ptr(static_cast<T*>(::operator new[](sizeof(T) * std::max<int64_t>(n, 1),
+                                                                      std::align_val_t(64)))) {}
+  T* get() const { return ptr.get(); }
+};
+
 // One KV head's keys in Acc, laid out for the score tiles: prefix keys transposed ([D, Pp], Pp = P rounded up to
-// kKeyPad; the padding keys' scores are computed and masked) and tree keys as rows ([T, D]). Values need no layout
+// kKeyPad; the padding keys' scores are computed and dropped) and tree keys as rows ([T, D]). Values need no layout
 // change: the tiles read them from the cache where they are.
 template <typename Acc>
 struct HeadKeys {
   int64_t D, P, Pp, T;
-  std::unique_ptr<Acc[]> data;  // uninitialised: fill_keys writes every element that is read
+  Aligned<Acc> data;  // uninitialised: fill_keys writes every element that is read
   Acc* kt() { return data.get(); }
   Acc* ktree() { return kt() + D * Pp; }
-  HeadKeys(int64_t D, int64_t P, int64_t T)
-      : D(D), P(P), Pp(round_up(P, kKeyPad)), T(T), data(new Acc[D * Pp + T * D]) {}
+  HeadKeys(int64_t D, int64_t P, int64_t T) : D(D), P(P), Pp(round_up(P, kKeyPad)), T(T), data(D * Pp + T * D) {}
 };
 
 // Convert the keys of cache slots j0..j1-1 of one head (k points at slot 0; slot_stride elements between slots).
@@ -144,31 +174,46 @@ void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t
 // Where one task works. Its R <= kRows query rows are query head qhead[r] of token tok[r].
 template <typename scalar_t, typename Acc>
 struct TaskScratch {
-  std::vector<Acc> qs, s, ku, o;   // [R, D] scaled queries, [R, lds] one key block's scores, [D, Tp] tree keys, [R, D]
-  int64_t lds;                     // room for a block of prefix keys or all tree keys
-  std::vector<scalar_t> vu;        // [Tp, D] tree value rows, as stored
-  std::vector<int64_t> tree_keys;  // the union of the task's tokens' visible tree keys (indices into the tree)
-  std::unique_ptr<bool[]> seen;    // [T] membership in that union
+  int64_t Tp;                           // T rounded up to kKeyPad
+  Aligned<Acc> qs, s, s_tail, s_tree, ku, o;
+  // [R, D] scaled queries; [R, kKeyBlock] one block's scores; [R, kKeyBlock] scores of the prefix keys past the last
+  // full block; [R, Tp] scores of the tree keys the task sees; [D, Tp] those keys, transposed; [R, D] outputs
+  std::vector<const scalar_t*> value_rows;  // [kKeyBlock] the value rows of one block
+  std::vector<int64_t> tree_keys;           // the union of the task's tokens' visible tree keys (indices into the tree)
+  std::vector<int64_t> own;                 // one token's visible keys, as positions in tree_keys
+  std::unique_ptr<bool[]> seen;             // [T] membership in that union
   TaskScratch(int64_t D, int64_t T)
-      : qs(kRows * D), ku(D * round_up(T, kKeyPad)), o(kRows * D), lds(std::max(kKeyBlock, round_up(T, kKeyPad))),
-        vu(round_up(T, kKeyPad) * D), seen(new bool[T]) {
-    s.resize(kRows * lds);
+      : Tp(round_up(T, kKeyPad)), qs(kRows * D), s(kRows * kKeyBlock), s_tail(kRows * kKeyBlock),
+        s_tree(kRows * Tp), ku(D * Tp), o(kRows * D), value_rows(kKeyBlock), seen(new bool[T]) {
     tree_keys.reserve(T);
+    own.reserve(T);
   }
 };
 
+// The rows of one task. A row's keys form one sequence: cache slots 0..P-1, then its visible tree keys in index
+// order (for a tree in breadth-first order: its ancestors by depth, then itself). The sequence is cut into blocks of
+// kKeyBlock by position, and each block is folded into the row's running softmax (flash-attention style, so the
+// scores of a block stay in L1 however long the prefix is). A plain decode step is the one-node case: its sequence
+// is the same cache slots with the ancestors already among them. Every score is one dot product computed the same
+// way wherever its key sits, and every block runs the same loops over the same values, so a tree row gives exactly
+// the bits of the decode step that sees the same keys: greedy speculative decoding commits plain decoding's tokens
+// in any dtype, not just up to rounding.
+//  - Blocks wholly inside the prefix are shared by all the task's rows: scores against all their keys in one tile.
+//  - The rest (the prefix tail past the last full block, then tree keys) differs by token: the tail's and the
+//    task's tree keys' scores are computed once for all rows, then each token's rows copy theirs into its blocks.
 template <typename scalar_t, typename Acc, int64_t R>
 void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, HeadKeys<Acc>& b, const scalar_t* v,
                  int64_t ldv, const bool* mask, const int64_t* tok, const int64_t* qhead,
                  TaskScratch<scalar_t, Acc>& w, scalar_t* out, int64_t Hq) {
   const int64_t D = b.D, P = b.P, Pp = b.Pp, T = b.T;
-  Acc* qs = w.qs.data();
+  constexpr int64_t lds = kKeyBlock;
+  Acc* qs = w.qs.get();
   for (int64_t r = 0; r < R; ++r) {
     const scalar_t* qr = q + tok[r] * q_strides[0] + qhead[r] * q_strides[1];
     for (int64_t d = 0; d < D; ++d) qs[r * D + d] = to_float(qr[d]) * log2_scale;
   }
-  // The tree keys any row of the task sees, gathered: transposed keys ku [D, nup] and value rows vu [nu, D].
-  // The rows are token-major, so each distinct token's mask row is OR-ed in once.
+  // The tree keys any row of the task sees, gathered and transposed: ku [D, nup]. The rows are token-major, so each
+  // distinct token's mask row is OR-ed in once.
   bool* seen = w.seen.get();
   std::fill(seen, seen + T, false);
   for (int64_t r = 0; r < R; ++r)
@@ -178,25 +223,24 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   keys.clear();
   for (int64_t i = 0; i < T; ++i)
     if (seen[i]) keys.push_back(i);
-  const int64_t nu = static_cast<int64_t>(keys.size()), nup = round_up(nu, kKeyPad);
-  for (int64_t u = 0; u < nu; ++u) {
-    const Acc* key = b.ktree() + keys[u] * D;
-    for (int64_t d = 0; d < D; ++d) w.ku[d * nup + u] = key[d];
-    std::copy(v + (P + keys[u]) * ldv, v + (P + keys[u]) * ldv + D, w.vu.begin() + u * D);
-  }
-  // Flash-attention style: key blocks of kKeyBlock prefix keys, then the gathered tree keys, each folded into a
-  // running max m, sum l and output o per row, so the scores of a block stay in L1 however long the prefix is.
-  Acc m[R], l[R];
+  const int64_t nu = static_cast<int64_t>(keys.size()), nup = round_up(nu, kKeyPad), ldt = w.Tp;
+  Acc* ku = w.ku.get();
+  for (int64_t u = 0; u < nu; ++u)
+    for (int64_t d = 0; d < D; ++d) ku[d * nup + u] = b.ktree()[keys[u] * D + d];
+
+  Acc m[R], l[R];  // per row: running max and sum of the softmax
   std::fill(m, m + R, -std::numeric_limits<Acc>::infinity());
   std::fill(l, l + R, Acc(0));
-  Acc* o = w.o.data();
+  Acc* o = w.o.get();
   std::fill(o, o + R * D, Acc(0));
-  Acc* s = w.s.data();
-  const int64_t lds = w.lds;
-  // Fold scores s[:, 0:width) (masked entries already -inf) and their value rows into (m, l, o).
-  auto absorb = [&](int64_t width, const scalar_t* values, int64_t ld_values, int64_t n_values) {
-    for (int64_t r = 0; r < R; ++r) {
+  Acc* s = w.s.get();
+  const scalar_t** value_rows = w.value_rows.data();
+  // Fold rows r0..r1-1 of s (one block: n keys, padded with -inf to width) and the block's n value rows into
+  // (m, l, o).
+  auto absorb = [&](int64_t r0, int64_t r1, int64_t n, int64_t width) {
+    for (int64_t r = r0; r < r1; ++r) {
       Acc* sr = s + r * lds;
+      std::fill(sr + n, sr + width, -std::numeric_limits<Acc>::infinity());
       Acc block_max = -std::numeric_limits<Acc>::infinity();
 #pragma omp simd reduction(max : block_max)
       for (int64_t j = 0; j < width; ++j) block_max = sr[j] > block_max ? sr[j] : block_max;
@@ -212,24 +256,42 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       m[r] = new_max;
       for (int64_t d = 0; d < D; ++d) o[r * D + d] *= correction;
     }
-    values_tile<Acc, R>(s, lds, values, ld_values, n_values, o, D);
+    values_rows(r1 - r0, s + r0 * lds, lds, value_rows, n, o + r0 * D, D);
   };
-  constexpr Acc kMasked = -std::numeric_limits<Acc>::infinity();
-  for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, P - j0), width = round_up(n, kKeyPad);
-    scores_tile<Acc, R>(qs, D, b.kt() + j0, Pp, width, s, lds);
-    for (int64_t r = 0; r < R; ++r) std::fill(s + r * lds + n, s + r * lds + width, kMasked);  // padding keys
-    absorb(width, v + j0 * ldv, ldv, n);
+  // Full blocks of prefix keys: the same keys for every row.
+  const int64_t full = P / kKeyBlock * kKeyBlock;
+  for (int64_t j0 = 0; j0 < full; j0 += kKeyBlock) {
+    scores_tile<Acc, R>(qs, D, b.kt() + j0, Pp, kKeyBlock, s, lds);
+    for (int64_t j = 0; j < kKeyBlock; ++j) value_rows[j] = v + (j0 + j) * ldv;
+    absorb(0, R, kKeyBlock, kKeyBlock);
   }
-  scores_tile<Acc, R>(qs, D, w.ku.data(), nup, nup, s, lds);
-  for (int64_t r = 0; r < R; ++r)  // tree padding, and tree keys that are another token's ancestors
-    for (int64_t u = 0; u < nup; ++u)
-      if (u >= nu || !mask[tok[r] * T + keys[u]]) s[r * lds + u] = kMasked;
-  absorb(nup, w.vu.data(), D, nu);
-  Acc* total = l;
+  // The rest: the prefix tail's and the tree keys' scores for all rows, then each token's blocks.
+  const int64_t tail = P - full;
+  Acc* s_tail = w.s_tail.get();
+  Acc* s_tree = w.s_tree.get();
+  if (tail > 0) scores_tile<Acc, R>(qs, D, b.kt() + full, Pp, round_up(tail, kKeyPad), s_tail, lds);
+  if (nu > 0) scores_tile<Acc, R>(qs, D, ku, nup, nup, s_tree, ldt);
+  auto& own = w.own;
+  for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
+    for (r1 = r0 + 1; r1 < R && tok[r1] == tok[r0];) ++r1;  // rows r0..r1-1 are this token's
+    own.clear();
+    for (int64_t u = 0; u < nu; ++u)
+      if (mask[tok[r0] * T + keys[u]]) own.push_back(u);
+    const int64_t length = tail + static_cast<int64_t>(own.size());  // keys past the full blocks
+    for (int64_t j0 = 0; j0 < length; j0 += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, length - j0);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = j0 + j;  // the key's place after the full blocks
+        value_rows[j] = i < tail ? v + (full + i) * ldv : v + (P + keys[own[i - tail]]) * ldv;
+        for (int64_t r = r0; r < r1; ++r)
+          s[r * lds + j] = i < tail ? s_tail[r * lds + i] : s_tree[r * ldt + own[i - tail]];
+      }
+      absorb(r0, r1, n, round_up(n, kKeyPad));
+    }
+  }
   for (int64_t r = 0; r < R; ++r) {
     scalar_t* dst = out + (tok[r] * Hq + qhead[r]) * D;
-    const Acc inv = Acc(1) / total[r];
+    const Acc inv = Acc(1) / l[r];
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[r * D + d] * inv);
   }
 }
