@@ -204,7 +204,7 @@ def test_smollm2_fp32_methods_emit_the_ar_tokens(smollm2, method):
 @pytest.mark.slow
 def test_smollm2_bf16_speculative_decoding_is_bitwise_lossless(smollm2_bf16):
     """In bfloat16 too: the matmul and attention kernels are row-independent, so a verify row computes exactly what a
-    decode step computes, and every drafter commits plain decoding's tokens. The static 81-node tree puts tree keys
+    decode step computes, and every drafter commits plain decoding's tokens, greedy or sampled with a seed. The static 81-node tree puts tree keys
     at every depth; the second turn reuses a cache that the first turn's verify steps filled."""
     engine = smollm2_bf16
     drafters = {"tr-adaptive": engine.new_drafter("tr"), "tr-2.2.2": engine.new_drafter("tr", tree="2.2.2"),
@@ -223,6 +223,10 @@ def test_smollm2_bf16_speculative_decoding_is_bitwise_lossless(smollm2_bf16):
         plain = engine.generate(conversation, max_new_tokens=48, method="ar", reuse_cache=True)
         assert second.token_ids == plain.token_ids, name
         assert len(second.generation.accept_lengths) < len(plain.token_ids), name  # drafts were accepted
+        # Sampled: the same seed draws the same tokens (each position's noise is fixed, and now so are its logits).
+        sampled = engine.generate(question, max_new_tokens=32, drafter=drafter, temperature=1.0, top_p=0.9, seed=5)
+        assert sampled.token_ids == engine.generate(question, max_new_tokens=32, method="ar", temperature=1.0,
+                                                    top_p=0.9, seed=5).token_ids, name
 
 
 def test_generate_command_methods_agree_and_matrix_round_trips(tiny_factory, tmp_path):
