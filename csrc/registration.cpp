@@ -33,7 +33,9 @@ TORCH_LIBRARY(tr_engine, m) {
   // sees: every prefix slot j < prefix_len, and slot prefix_len + i wherever tree_mask[t, i] (its ancestors and
   // itself). h = hq / (Hq / Hkv) (grouped-query attention). q [T, Hq, D]; k, v [Hkv, S, D], one layer's cache with
   // the new tokens' K/V already at slots prefix_len..prefix_len+T-1; tree_mask bool [T, T]; every token must see at
-  // least one key. Accumulates in float32 (float64 for float64); returns [T, Hq, D] in q's dtype.
+  // least one key. Accumulates in float32 (float64 for float64); returns [T, Hq, D] in q's dtype. The CPU kernel is
+  // row-independent: a row's bits depend only on its query and its keys in order (prefix slots, then its visible
+  // tree slots by index), so it equals a one-token call with those keys in the cache; CUDA agrees up to rounding.
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, int prefix_len, Tensor tree_mask, float scale) -> Tensor");
 }
 

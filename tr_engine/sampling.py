@@ -11,8 +11,9 @@ one, and otherwise commits the sample and stops. Each committed token is therefo
 distribution given everything committed before it (a node's logits are the model's at that prefix), drawn once and
 shared by every path through the node; the drafts only decide how many of them one forward settles. Because the
 walk uses position j's noise for the j-th new token, as plain decoding does, a seed gives the same tokens with or
-without drafting. A tree forward rounds logits a little differently from a one-token forward; with Gumbel-max that
-can change a draw only when the two best perturbed scores are that close, as rare as a near-tie in greedy decoding
+without drafting. With the CPU kernels a tree forward computes each node's logits bit for bit as a one-token forward
+does, so that holds exactly; where a tree forward rounds a little differently (PyTorch's kernels on a GPU), Gumbel-max
+changes a draw only when the two best perturbed scores are that close, as rare as a near-tie in greedy decoding
 (inverse-transform sampling, by contrast, moves with the rounding error summed along the whole cumulative sum).
 
 Temperature 0 is greedy decoding (argmax), the default; top-k and top-p then do nothing.
