@@ -12,16 +12,17 @@ TORCH_LIBRARY(tr_engine, m) {
 
   // y = x @ w.T (F.linear without bias) for T = 1..16 rows of x [T, K] and a contiguous weight w [N, K] of the same
   // dtype; accumulates in float32 and rounds once to x's dtype. The few-row matmul for weights that are not packed
-  // (packed_linear below serves float32/bfloat16 models on a CPU).
+  // (packed_linear below serves float32/bfloat16/float16 models on a CPU).
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
 
-  // A projection weight w [N, K] (float32 or bfloat16) in the blocked layout of the CPU matmul: wp [ceil(N/32),
-  // ceil(K/P), 32, P] with wp[b, j, i, e] = w[32b + i, Pj + e], zeros past N and K; P = 2 for bfloat16 (the pair a
-  // bf16 dot product consumes), 1 for float32. Packed once at load time.
+  // A projection weight w [N, K] (float32, bfloat16 or float16) in the blocked layout of the CPU matmul:
+  // wp [ceil(N/32), ceil(K/P), 32, P] with wp[b, j, i, e] = w[32b + i, Pj + e], zeros past N and K; P = 2 for
+  // bfloat16 (the pair a bf16 dot product consumes), 1 for float32 and float16. Packed once at load time.
   m.def("pack_linear(Tensor w) -> Tensor");
 
   // y = x @ w.T for any T rows of x [T, K] and wp = pack_linear(w) of w [n, K] of x's dtype; accumulates in float32
-  // and rounds once to x's dtype. The CPU engine's projections (decode steps, tree verifies, prefill).
+  // and rounds once to x's dtype, each output summed in a fixed order whatever the other rows (row-independent). The
+  // CPU engine's projections (decode steps, tree verifies, prefill).
   m.def("packed_linear(Tensor x, Tensor wp, int n) -> Tensor");
 
   // For each i: table[tokens[i]] <- the k = table.size(1) ids of the largest logits[i], best first, ties broken by

@@ -67,8 +67,8 @@ def smollm2(smollm2_dir):
     return Engine.from_pretrained(str(smollm2_dir), dtype="float32", max_context=1024)
 
 
-@pytest.fixture(scope="session")
-def smollm2_bf16(smollm2_dir):
+@pytest.fixture(scope="session", params=["bfloat16", "float16"])
+def smollm2_half(smollm2_dir, request):
     from tr_engine.engine import Engine
 
-    return Engine.from_pretrained(str(smollm2_dir), dtype="bfloat16", max_context=1024)
+    return Engine.from_pretrained(str(smollm2_dir), dtype=request.param, max_context=1024)

@@ -8,7 +8,7 @@ from tr_engine import reference
 from tr_engine.ops import PackedWeight, load_ops
 
 kernels = load_ops("kernels")
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def operands(T, K, N, dtype, seed=0):
@@ -43,9 +43,10 @@ def test_float32_matches_float64_truth(T, K, N):
 
 @pytest.mark.parametrize("T", [1, 7, 16, 81])
 @pytest.mark.parametrize("K, N", [(576, 960), (1536, 576), (33, 129)])
-def test_bfloat16_within_twice_the_references_error(T, K, N):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_types_within_twice_the_references_error(T, K, N, dtype):
     """flash-attention's rule: kernel error vs the float64 truth at most 2x the reference's own error."""
-    x, w = operands(T, K, N, torch.bfloat16, seed=T)
+    x, w = operands(T, K, N, dtype, seed=T)
     wp = kernels.pack_linear(w)
     truth = F.linear(x.double(), w.double())
     kernel_err = (kernels.packed_linear(x, wp, N).double() - truth).abs().max().item()
@@ -83,7 +84,7 @@ def test_engine_linear_takes_packed_weights_in_both_op_kinds():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: kernels.pack_linear(torch.randn(4, 8, dtype=torch.float64)), "float32 and bfloat16"),
+        (lambda: kernels.pack_linear(torch.randn(4, 8, dtype=torch.float64)), "float32, bfloat16 and float16"),
         (lambda: kernels.pack_linear(torch.randn(8)), "must be"),
         (lambda: kernels.packed_linear(torch.randn(2, 9), kernels.pack_linear(torch.randn(4, 8)), 4), "K = 9"),
         (lambda: kernels.packed_linear(torch.randn(2, 8), kernels.pack_linear(torch.randn(4, 8)), 40), "n = 40"),

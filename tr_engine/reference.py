@@ -21,11 +21,17 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)
 
 
+def pack_width(dtype: torch.dtype) -> int:
+    """P, the values of one weight row that pack_linear puts side by side: 2 for bfloat16 (the pair a bf16 dot product
+    takes), 1 for float32 and float16."""
+    return 2 if dtype == torch.bfloat16 else 1
+
+
 def pack_linear(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] -> [ceil(N/32), ceil(K/P), 32, P] with [b, j, i, e] = w[32b + i, Pj + e] (zeros past N and K);
-    P = 2 for 2-byte dtypes, 1 for float32: blocks of 32 output rows, their next P weights side by side."""
+    P = pack_width(w.dtype): blocks of 32 output rows, their next P weights side by side."""
     N, K = w.shape
-    P = 2 if w.element_size() == 2 else 1
+    P = pack_width(w.dtype)
     padded = torch.nn.functional.pad(w, (0, -K % P, 0, -N % 32))  # [32 * blocks, P * groups]
     return padded.view(-1, 32, padded.shape[1] // P, P).transpose(1, 2).contiguous()
 

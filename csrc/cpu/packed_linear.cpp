@@ -1,11 +1,12 @@
 // CPU kernels of tr_engine::pack_linear and tr_engine::packed_linear: y = x @ w.T with w stored, once at load time, in
 // the blocked layout of csrc/registration.cpp (blocks of 32 output rows; inside a block, for each group of P input
-// columns, the 32 rows' P values side by side; P = 2 for bfloat16, 1 for float32).
+// columns, the 32 rows' P values side by side; P = 2 for bfloat16, 1 for float32 and float16).
 //
 // Why the layout: in a decode step or a draft-tree verify (1..~100 rows of x), each weight must be read from memory
 // once and applied to every row of x while it sits in registers. With w blocked like this, one 64-byte load holds 16
 // output rows' next P weights; the kernel broadcasts x[t]'s next P values and multiply-adds them into 16 per-output
-// accumulators (the AVX512-BF16 dot product for bf16: two products per fp32 lane; an FMA for fp32). 2 weight loads
+// accumulators (the AVX512-BF16 dot product for bf16: two products per fp32 lane; an FMA for fp32, and for fp16
+// after converting the weights in registers: this CPU has no fp16 arithmetic). 2 weight loads
 // feed 2 x R multiply-adds, R up to 12 rows of x, and nothing needs a horizontal sum: the accumulators are the
 // outputs. Measured on all of SmolLM2's projections (30 layers + LM head, weights streamed from memory, 2 threads;
 // bench/results/kernels_cpu.md): fp32 12 rows cost 1.1x one row (memory-bound), bf16 1.5x (half the bytes, so the
@@ -40,7 +41,7 @@ constexpr int64_t kRowChunk = 192;   // rows of x per pass over w, so x's chunk 
 using tr_engine_cpu::to_float;
 
 template <typename T>
-constexpr int64_t pack_width() { return sizeof(T) == 2 ? 2 : 1; }  // P: values of one row side by side in 32 bits
+constexpr int64_t pack_width() { return std::is_same_v<T, c10::BFloat16> ? 2 : 1; }  // P: one row's values side by side
 
 // ---- pack_linear: w [N, K] -> wp [ceil(N/32), ceil(K/P), 32, P], zero-padded -------------------------------------
 template <typename T>
@@ -124,6 +125,29 @@ void block_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wb, in
 }
 #define TR_ENGINE_PACKED_BF16 1
 #endif
+
+// float16: one 64-byte load holds the block's 32 weights of column k, widened to two float vectors (exact), then
+// the same FMAs as float32.
+template <int R>
+void block_f16(const c10::Half* x, int64_t ldx, const c10::Half* wb, int64_t groups, c10::Half* y, int64_t ldy,
+               int valid) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < groups; ++k) {
+    const __m512i w = _mm512_loadu_si512(wb + k * kBlock);
+    const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w)), w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(static_cast<float>(x[r * ldx + k]));
+      lo[r] = _mm512_fmadd_ps(xb, w0, lo[r]);
+      hi[r] = _mm512_fmadd_ps(xb, w1, hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // round to nearest even, once
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    _mm256_mask_storeu_epi16(y + r * ldy, lanes(valid), _mm512_cvtps_ph(lo[r], kRound));
+    _mm256_mask_storeu_epi16(y + r * ldy + 16, lanes(valid - 16), _mm512_cvtps_ph(hi[r], kRound));
+  }
+}
 #endif  // __AVX512F__
 
 // One block for `rows` <= kMaxGroup rows: the vector kernel with R = rows as a compile-time constant.
@@ -141,6 +165,10 @@ void block(const T* x, int64_t ldx, const T* wb, int64_t groups, T* y, int64_t l
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     TR_ENGINE_ROWS(block_f32, x, ldx, wb, groups, y, ldy, valid)
+    return;
+  }
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    TR_ENGINE_ROWS(block_f16, x, ldx, wb, groups, y, ldy, valid)
     return;
   }
 #endif
@@ -175,9 +203,21 @@ void packed(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64_t gr
   }
 }
 
+int64_t width_of(at::ScalarType t) { return t == at::kBFloat16 ? 2 : 1; }  // pack_width at run time
+
+// f(static_cast<T*>(nullptr)) for the element type T of a dtype that check_dtype admitted.
+template <typename F>
+void with_type(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
+    default: f(static_cast<c10::Half*>(nullptr)); break;
+  }
+}
+
 void check_dtype(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op, ": ", name, " is ",
-              t.scalar_type(), "; float32 and bfloat16 are supported");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
+              ": ", name, " is ", t.scalar_type(), "; float32, bfloat16 and float16 are supported");
 }
 
 // A weight streams through the TLB at every step: in 2 MB pages (Linux transparent huge pages, asked for with
@@ -203,12 +243,12 @@ at::Tensor pack_linear_cpu(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2, "pack_linear: w must be [N, K], got ", w.dim(), " dims");
   check_dtype(w, "pack_linear", "w");
   const auto wc = w.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), P = w.element_size() == 2 ? 2 : 1;
+  const int64_t N = w.size(0), K = w.size(1), P = width_of(w.scalar_type());
   auto wp = empty_huge({(N + kBlock - 1) / kBlock, (K + P - 1) / P, kBlock, P}, w.options());
-  if (w.scalar_type() == at::kFloat)
-    pack(wc.data_ptr<float>(), wp.data_ptr<float>(), N, K);
-  else
-    pack(wc.data_ptr<c10::BFloat16>(), wp.data_ptr<c10::BFloat16>(), N, K);
+  with_type(w.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    pack(wc.data_ptr<T>(), wp.data_ptr<T>(), N, K);
+  });
   return wp;
 }
 
@@ -221,7 +261,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& wp, int64_t 
   TORCH_CHECK(x.scalar_type() == wp.scalar_type(), "packed_linear: x is ", x.scalar_type(), " but wp is ",
               wp.scalar_type());
   const int64_t P = wp.size(3), groups = wp.size(1), K = x.size(1);
-  TORCH_CHECK(P == (x.element_size() == 2 ? 2 : 1), "packed_linear: wp's last dim is ", P, ", not ",
+  TORCH_CHECK(P == width_of(x.scalar_type()), "packed_linear: wp's last dim is ", P, ", not ",
               x.scalar_type(), "'s pack width");
   TORCH_CHECK(groups == (K + P - 1) / P, "packed_linear: x has K = ", K, " columns but wp was packed from ",
               groups * P, " (rounded up to ", P, ")");
@@ -230,11 +270,10 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& wp, int64_t 
   // The kernels read x in groups of P columns: pad an odd K with a zero column (never the case for real models).
   const auto xc = groups * P == K ? x.contiguous() : at::constant_pad_nd(x, {0, groups * P - K}).contiguous();
   auto y = at::empty({x.size(0), n}, x.options());
-  if (x.scalar_type() == at::kFloat)
-    packed(xc.data_ptr<float>(), groups * P, wp.data_ptr<float>(), y.data_ptr<float>(), x.size(0), groups, n);
-  else
-    packed(xc.data_ptr<c10::BFloat16>(), groups * P, wp.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(),
-           x.size(0), groups, n);
+  with_type(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    packed(xc.data_ptr<T>(), groups * P, wp.data_ptr<T>(), y.data_ptr<T>(), x.size(0), groups, n);
+  });
   return y;
 }
 
