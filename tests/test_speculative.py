@@ -205,8 +205,8 @@ def test_smollm2_fp32_methods_emit_the_ar_tokens(smollm2, method):
 def test_smollm2_half_speculative_decoding_is_bitwise_lossless(smollm2_half):
     """In bfloat16 and float16 too: the matmul and attention kernels are row-independent, so a verify row computes
     exactly what a decode step computes, and every drafter commits plain decoding's tokens, greedy or sampled with a
-    seed. The static 81-node tree puts tree keys
-    at every depth; the second turn reuses a cache that the first turn's verify steps filled."""
+    seed. The static 81-node tree puts tree keys at every depth; the second turn reuses a cache that the first turn's
+    verify steps filled."""
     engine = smollm2_half
     drafters = {"tr-adaptive": engine.new_drafter("tr"), "tr-2.2.2": engine.new_drafter("tr", tree="2.2.2"),
                 "pld": engine.new_drafter("pld"), "hybrid": engine.new_drafter("hybrid")}
