@@ -75,7 +75,7 @@ def bench_dtype(folder: Path, dtype: str, prompts: list[str], n: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ar_decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -103,8 +103,9 @@ def main(argv=None) -> int:
     for r in results:
         lines.append(f"| {r['dtype']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{r['same_tokens']}/{r['prompts']} | {r['agreeing_prefix']:.0f} of {args.max_new_tokens} |")
-    lines += ["", "bfloat16 outputs may differ: the two implementations round differently (matmul accumulation order, "
-              "RoPE and norm casts), and bf16 rounding flips near-tied argmaxes; float32 outputs must be identical."]
+    lines += ["", "bfloat16 and float16 outputs may differ: the two implementations round differently (matmul "
+              "accumulation order, RoPE and norm casts), and half-precision rounding flips near-tied argmaxes; float32 "
+              "outputs must be identical."]
     table = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ar_decode.md").write_text(table)
