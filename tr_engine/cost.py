@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from tr_engine.files import atomic_write
 from tr_engine.tree import sample_tree_mask
 
 # Verify sizes (tokens, root included) a tree may take, and the ones the cost curve measures. Every size from 1 to 8
@@ -134,11 +135,10 @@ class CostModel:
         return cls(sizes, prefixes, relative, plain, key)
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"buckets": self.buckets, "prefixes": self.prefixes, "relative": self.relative,
-                                   "plain_s": self.plain_s, "key": self.key}, indent=1) + "\n")
-        tmp.replace(path)
+        """Write the curve atomically (tr_engine/files.py); OSError when the folder refuses."""
+        text = json.dumps({"buckets": self.buckets, "prefixes": self.prefixes, "relative": self.relative,
+                           "plain_s": self.plain_s, "key": self.key}, indent=1) + "\n"
+        atomic_write(path, text.encode())
 
     @classmethod
     def load(cls, path: Path, key: dict) -> "CostModel | None":
@@ -148,9 +148,18 @@ class CostModel:
             d = json.loads(path.read_text())
             if d["key"] != key or tuple(d["buckets"]) != BUCKETS:
                 return None
-            return cls(tuple(d["buckets"]), tuple(d["prefixes"]), d["relative"], d["plain_s"], d["key"])
+            prefixes, relative, plain_s = tuple(d["prefixes"]), d["relative"], d["plain_s"]
+            if not (len(prefixes) == len(relative) == len(plain_s) >= 1
+                    and all(len(row) == len(BUCKETS) for row in relative)
+                    and all(_positive(x) for x in [*prefixes, *plain_s, *(c for row in relative for c in row)])):
+                return None  # edited or damaged: measure again rather than plan trees from it
+            return cls(BUCKETS, prefixes, relative, plain_s, d["key"])
         except (OSError, ValueError, KeyError, TypeError):
             return None  # missing or unreadable: measure again
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
 
 
 def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str) -> dict:

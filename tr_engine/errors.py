@@ -1,11 +1,12 @@
 """User-facing errors: each one is a single line that names the problem and the fix.
 
-Command-line entry points catch `UserError` and print it without a traceback; anything else is a bug.
+The Python API raises these for bad input (so `except UserError` catches every one); the command-line tools print
+them as one line without a traceback (tr_engine/cli.py). Anything else escaping is a bug.
 """
 
 
 class UserError(Exception):
-    """Bad input from the user (model folder, config, prompt, flags). The message says what to do about it."""
+    """Bad input from the user (model folder, config, prompt, flags, files). The message says what to do about it."""
 
 
 class ModelNotFound(UserError):
@@ -17,8 +18,20 @@ class UnsupportedConfig(UserError):
 
 
 class WeightsError(UserError):
-    pass
+    """A weights file that cannot be used: missing, truncated, corrupt, or holding tensors that are no weights."""
 
 
 class ContextOverflow(UserError):
     pass
+
+
+class InvalidValue(UserError, ValueError):
+    """An argument of the right type with a value the engine cannot use (a negative count, a temperature of NaN)."""
+
+
+class InvalidType(UserError, TypeError):
+    """An argument of the wrong type (an int where a prompt goes): a UserError, and a TypeError as Python expects."""
+
+
+class MatrixFileError(UserError):
+    """A recycling-matrix file that cannot be loaded or saved. A failed save keeps the previous file."""

@@ -5,15 +5,19 @@ file that records the vocabulary size and a fingerprint of the tokenizer, so it 
 vocabulary.
 """
 
+import io
 from pathlib import Path
-
-import os
 
 import torch
 
 from tr_engine import reference
-from tr_engine.errors import UserError
+from tr_engine.errors import InvalidValue, MatrixFileError
+from tr_engine.files import atomic_write, signals_deferred
 from tr_engine.tree import DraftTree
+
+# Candidates kept per token, at most: the CUDA recycle kernel keeps a row's best k in registers, up to 16 of them
+# (csrc/cuda/recycle_update.cu). The paper keeps 8.
+MAX_K = 16
 
 
 class RecyclingMatrix:
@@ -24,8 +28,9 @@ class RecyclingMatrix:
     nodes where the model was sure (tr_engine/adaptive.py); the paper's static tree ignores it."""
 
     def __init__(self, vocab_size: int, k: int = 8, device="cpu", update=reference.recycle_update_):
-        if k < 1:
-            raise UserError(f"--matrix-k must be at least 1, got {k}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(MAX_K, vocab_size):
+            raise InvalidValue(f"--matrix-k must be an integer between 1 and {min(MAX_K, vocab_size)} (the candidates "
+                               f"kept per token), got {k!r}")
         self.table = torch.zeros(vocab_size, k, dtype=torch.long, device=device)  # [V, k] token ids
         self.confidence = torch.zeros(vocab_size, k, dtype=torch.float16, device=device)  # [V, k]
         self.update = update
@@ -64,31 +69,77 @@ class RecyclingMatrix:
         self.recycle_(torch.tensor(prompt_ids, device=self.table.device), logits)
 
     def save(self, path: str | Path, fingerprint: str) -> None:
-        """Write atomically (a temporary file, then a rename), so an interrupted save leaves the old file intact."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save({"table": self.table.cpu(), "confidence": self.confidence.cpu(), "vocab_size": self.table.shape[0],
-                    "fingerprint": fingerprint}, tmp)
-        os.replace(tmp, path)
+        """Write the matrix to `path` atomically (tr_engine/files.py): a failed or interrupted save keeps the old file
+        and leaves no temporary one. Raises MatrixFileError saying why and what to do."""
+        state = {"table": self.table.cpu(), "confidence": self.confidence.cpu(), "vocab_size": self.table.shape[0],
+                 "fingerprint": fingerprint}
+        buffer = io.BytesIO()  # serialised in memory first: torch's file writer reports a full disk as RuntimeError
+        try:
+            with signals_deferred():  # Ctrl-C during the save: it completes, then the interrupt is delivered
+                torch.save(state, buffer)
+                atomic_write(path, buffer.getvalue())
+        except OSError as e:
+            raise MatrixFileError(f"could not save the recycling matrix to {path} ({e.strerror or e}); any previous "
+                                  "file there is kept; give --matrix a writable file (or --no-persist in the chat)"
+                                  ) from None
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int, fingerprint: str, device="cpu") -> "RecyclingMatrix":
+        """Read a matrix saved by `save` for this vocabulary. Its contents are checked (shapes, dtypes, token ids,
+        confidences) before anything uses them: a file edited, truncated or written by something else is refused
+        with a MatrixFileError, never loaded to fail later in a kernel."""
         try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-            table, saved_vocab, saved_fp = data["table"], data["vocab_size"], data["fingerprint"]
+            data = torch.load(path, map_location="cpu", weights_only=True)  # weights_only: no pickled code runs
         except FileNotFoundError:
-            raise UserError(f"no recycling matrix at {path}; drop --matrix to start from an empty one")
+            raise MatrixFileError(f"no recycling matrix at {path}; drop --matrix to start from an empty one")
+        except IsADirectoryError:
+            raise MatrixFileError(f"{path} is a directory, not a recycling matrix file; pass a file path to --matrix")
+        except PermissionError:
+            raise MatrixFileError(f"{path} cannot be read (permission denied); fix its permissions or pass another "
+                                  "--matrix file")
         except Exception as e:  # corrupt or foreign file: torch raises several types
-            raise UserError(f"{path} is not a recycling matrix file ({type(e).__name__}); delete it to start fresh")
-        if saved_vocab != vocab_size or saved_fp != fingerprint:
-            raise UserError(f"{path} was made for another vocabulary ({saved_vocab} tokens, tokenizer {saved_fp}; "
-                            f"this model: {vocab_size}, {fingerprint}); delete it or use another --matrix file")
+            raise MatrixFileError(f"{path} is not a recycling matrix file ({type(e).__name__}); delete it to start "
+                                  "fresh") from None
+        table, confidence = _checked(data, path, vocab_size, fingerprint)
         m = cls(vocab_size, table.shape[1], device)
         m.table.copy_(table)
-        confidence = data.get("confidence")
-        if isinstance(confidence, torch.Tensor) and confidence.shape == table.shape:
+        if confidence is not None:
             m.confidence.copy_(confidence)
         else:  # a file from before confidences were kept: every written row as flat as can be
             m.confidence.copy_((table != 0).any(dim=1, keepdim=True).expand_as(table) / table.shape[1])
         return m
+
+
+def _checked(data, path, vocab_size: int, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The table and the confidences (None in files older than them) of loaded file contents, after every check."""
+    def bad(what: str) -> MatrixFileError:
+        return MatrixFileError(f"{path} is not a valid recycling matrix file ({what}); delete it to start fresh")
+
+    if not isinstance(data, dict) or not {"table", "vocab_size", "fingerprint"} <= data.keys():
+        raise bad("not a dict with table, vocab_size and fingerprint")
+    table, saved_vocab, saved_fp = data["table"], data["vocab_size"], data["fingerprint"]
+    if type(saved_vocab) is not int or not isinstance(saved_fp, str):
+        raise bad(f"its vocab_size is {_describe(saved_vocab)} and its fingerprint {_describe(saved_fp)}")
+    if saved_vocab != vocab_size or saved_fp != fingerprint:
+        raise MatrixFileError(f"{path} was made for another vocabulary ({saved_vocab} tokens, tokenizer {saved_fp}; "
+                              f"this model: {vocab_size}, {fingerprint}); delete it or use another --matrix file")
+    if not isinstance(table, torch.Tensor) or table.dtype != torch.long or table.dim() != 2:
+        raise bad(f"its table is {_describe(table)}, not an int64 matrix [vocab, k]")
+    if table.shape[0] != vocab_size or not 1 <= table.shape[1] <= MAX_K:
+        raise bad(f"its table is {list(table.shape)}, not [{vocab_size}, k] with k in 1..{MAX_K}")
+    if table.numel() and not (0 <= int(table.min()) and int(table.max()) < vocab_size):
+        raise bad(f"token ids outside 0..{vocab_size - 1}")
+    confidence = data.get("confidence")
+    if confidence is None:
+        return table, None
+    if not isinstance(confidence, torch.Tensor) or not confidence.is_floating_point() or confidence.shape != table.shape:
+        raise bad(f"its confidences are {_describe(confidence)}, not a float matrix {list(table.shape)}")
+    if not bool(((confidence >= 0) & (confidence <= 1)).all()):  # NaN fails both
+        raise bad("confidences outside [0, 1]")
+    return table, confidence
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {str(x.dtype).removeprefix('torch.')} tensor of shape {list(x.shape)}"
+    return f"a {type(x).__name__}"
