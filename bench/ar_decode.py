@@ -7,7 +7,6 @@ Methods alternate prompt by prompt, so machine noise hits both alike. Writes ben
     python -m bench.ar_decode [--dtypes float32 bfloat16] [--prompts 4] [--max-new-tokens 128] [--threads 2]
 """
 
-import argparse
 import json
 import statistics
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info, machine_line
+from tr_engine.cli import ArgumentParser, run
 from tr_engine.decode import plain_generate
 from tr_engine.engine import Engine
 
@@ -73,7 +73,7 @@ def bench_dtype(folder: Path, dtype: str, prompts: list[str], n: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.ar_decode", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m bench.ar_decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
     ap.add_argument("--prompts", type=int, default=4)
@@ -116,4 +116,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

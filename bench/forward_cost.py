@@ -7,13 +7,13 @@ adaptive tree's cost curve). Writes forward_cost_<dtype>.{json,md,png}.
     python -m bench.forward_cost [--dtypes float32 bfloat16] [--prefixes 128 512 1024] [--reps 9]
 """
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 
 from bench.machine import machine_info, machine_line
+from tr_engine.cli import ArgumentParser, run
 from tr_engine.cost import time_steps
 from tr_engine.engine import Engine
 
@@ -41,7 +41,7 @@ def plot(path: Path, curves: dict[int, dict[int, float]], title: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.forward_cost", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m bench.forward_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--prefixes", nargs="+", type=int, default=[128, 512, 1024])
@@ -77,4 +77,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

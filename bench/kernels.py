@@ -5,7 +5,6 @@ Writes bench/results/kernels_cpu.{json,md}.
     python -m bench.kernels [--threads 2] [--reps 30]
 """
 
-import argparse
 import itertools
 import json
 import statistics
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 from bench.machine import machine_info, machine_line
 from tr_engine import reference
+from tr_engine.cli import ArgumentParser, run
 from tr_engine.ops import load_ops
 from tr_engine.tree import sample_tree_mask as tree_mask
 
@@ -131,7 +131,7 @@ def cases(ops):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--only", nargs="+", metavar="OP", help="benchmark only these ops (e.g. tree_attention)")
@@ -174,4 +174,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

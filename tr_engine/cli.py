@@ -1,0 +1,105 @@
+"""How every command-line tool ends: `sys.exit(run(main))`. Whatever goes wrong becomes one line on stderr and an
+exit status, never a traceback:
+
+    0    done (a warning, such as a matrix that could not be saved, does not change that)
+    1    a bug in tr-engine, or the machine ran out of memory: the line says which
+    2    a user error (a flag, a file, the input): the line names the problem and the fix
+    130  Ctrl-C            143  SIGTERM
+
+SIGTERM raises `Terminated` in the main thread, so cleanups run as they do on Ctrl-C (the chat saves its matrix).
+Set TR_ENGINE_DEBUG=1 to see the traceback of a bug as well.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import traceback
+
+from tr_engine.errors import UserError
+
+EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+DEBUG_ENV = "TR_ENGINE_DEBUG"
+REPORT = (f"this is a bug in tr-engine: please report it with the traceback that {DEBUG_ENV}=1 prints "
+          "(README, 'Reporting a bug')")
+
+
+class Terminated(BaseException):
+    """SIGTERM, as an exception: not a KeyboardInterrupt, which the chat takes as 'stop this answer' and goes on."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported as one line (argparse prints its usage block and the message)."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}; see {self.prog} --help")
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def run(main, argv=None) -> int:
+    """main(argv) -> exit status, with every way it can fail turned into one line and a status (above)."""
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
+    try:
+        return main(argv)
+    except UserError as e:
+        _say(f"error: {e}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _say("\ninterrupted")
+        return EXIT_INTERRUPTED
+    except Terminated:
+        _say("terminated")
+        return EXIT_TERMINATED
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say to it
+        _silence_stdout()
+        return EXIT_OK
+    except SystemExit:
+        raise
+    except Exception as e:
+        if os.environ.get(DEBUG_ENV):
+            traceback.print_exc()
+        if _out_of_memory(e):
+            _say(f"error: out of memory ({_first_line(e)}); lower --max-context, pick a smaller --dtype or model, or "
+                 "free memory")
+        else:
+            _say(f"error: internal error ({type(e).__name__}: {_first_line(e)}); {REPORT}")
+        return EXIT_BUG
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    # torch.OutOfMemoryError (a GPU) and the CPU allocator's RuntimeError, recognised without importing torch.
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    text = lines[0] if lines else "no message"
+    return text if len(text) <= 200 else text[:200] + "…"
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr closed too: the exit status is all that is left
+        pass
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so Python's exit flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
