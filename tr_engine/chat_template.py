@@ -60,9 +60,11 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except jinja2.TemplateError as e:
-            raise UserError(f"the model's chat template cannot be rendered ({e}); fix tokenizer_config.json "
-                            "or pass --no-template")
+        except UserError:  # the template's own raise_exception
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
+            raise UserError(f"the model's chat template cannot render this conversation ({type(e).__name__}: {e}); "
+                            "fix tokenizer_config.json's chat_template or pass --no-template")
 
 
 def _raise_exception(message):

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
+from tr_engine import checks
 from tr_engine.decode import Generation, plain_steps, run_to_end
 from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.cost import BUCKETS, CostModel, cost_key, cost_path
 from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
-from tr_engine.errors import UserError
+from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
 from tr_engine.methods import ADAPTIVE, METHODS
@@ -92,6 +93,9 @@ class Engine:
         self.matrix = RecyclingMatrix(model.config.vocab_size, matrix_k, model.device, self.ops.recycle_update_)
         self.tree_spec, self.matrix_k, self.ops_kind = tree, matrix_k, ops
         self.tree = load_tree("2.2.2" if tree == ADAPTIVE else tree, matrix_k)  # the static tree (adaptive: unused)
+        if tree != ADAPTIVE and self.tree.size >= self.cache.capacity:  # near the end a tree is cut to fit; not all
+            raise InvalidValue(f"the draft tree verifies {self.tree.size} tokens a step but the cache holds only "
+                               f"{self.cache.capacity}; use a smaller --tree or raise --max-context")
         self._cost: CostModel | None = None
         self.on_calibrate = None  # called (no arguments) just before the cost curve is measured: a notice, say
         self.drafters = {m: self.new_drafter(m, matrix=self.matrix) for m in ("tr", "pld", "hybrid")}
@@ -157,9 +161,20 @@ class Engine:
         method: str = "tr",
         seed: int | None = None,
     ) -> "Engine":
-        if threads:
-            torch.set_num_threads(threads)
-        folder = resolve_model(name_or_path, model_dir)
+        if not isinstance(name_or_path, (str, Path)):
+            raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
+                              f"{type(name_or_path).__name__}")
+        if ops not in ("kernels", "reference"):
+            raise InvalidValue(f"ops must be 'kernels' or 'reference', got {ops!r}")
+        if not isinstance(tree, (str, Path)):
+            raise InvalidType(f"tree must be 'adaptive', a tree name or a tree file path, got {type(tree).__name__}")
+        check_method(method)
+        check_seed(seed)
+        if threads is not None:
+            torch.set_num_threads(checks.integer(threads, "--threads", 1, checks.usable_cpus()))
+        if max_context is not None:
+            checks.integer(max_context, "--max-context", 1)
+        folder = resolve_model(str(name_or_path), model_dir)
         dtype = parse_dtype(dtype)
         device = _check_device(device)
         model = load_model(folder, dtype, device, ops)
@@ -167,30 +182,45 @@ class Engine:
         if max_context is not None and not 1 <= max_context <= limit:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
-        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops, tree, matrix_k, method,
-                   seed)
+        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops, str(tree), matrix_k,
+                   method, seed)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
-        """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages."""
+        """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages
+        ([{'role': str, 'content': str}, …]). Anything else is refused with an InvalidType or InvalidValue."""
+        checks.flag(chat_template, "chat_template")
         if isinstance(prompt, str):
+            checks.text(prompt, "the prompt")
             if not prompt.strip():
-                raise UserError("the prompt is empty; give some text to answer")
+                raise InvalidValue("the prompt is empty; give some text to answer")
             if not chat_template:
                 return self.tokenizer.encode(prompt)
             prompt = [{"role": "user", "content": prompt}]
-        if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-            raise UserError("messages must be a non-empty list of {'role': …, 'content': …} dicts")
-        return self.tokenizer.encode_chat(prompt)
+        elif not isinstance(prompt, (list, tuple)):
+            raise InvalidType(f"the prompt must be a string or a list of messages, got {type(prompt).__name__}")
+        if not prompt:
+            raise InvalidValue("the conversation has no messages; give at least one {'role': 'user', 'content': …}")
+        for i, m in enumerate(prompt):
+            if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
+                raise InvalidType(f"message {i} must be a dict with 'role' and 'content', got "
+                                  f"{type(m).__name__ if not isinstance(m, dict) else sorted(m)}")
+            checks.text(m["role"], f"message {i}'s role")
+            checks.text(m["content"], f"message {i}'s content")
+        if not chat_template:
+            raise InvalidValue("chat_template=False takes a prompt string, not messages")
+        return self.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in prompt])
 
     def save_matrix(self, path) -> None:
+        """Save the recycling matrix atomically; a MatrixFileError (the old file kept) when it cannot be written."""
         self.matrix.save(path, self.tokenizer.fingerprint())
 
     def load_matrix(self, path) -> None:
+        """Load a saved recycling matrix (checked: MatrixFileError when it is not one for this model and k)."""
         loaded = RecyclingMatrix.load(path, self.model.config.vocab_size, self.tokenizer.fingerprint(),
                                       self.matrix.table.device)
         if loaded.k != self.matrix.k:
-            raise UserError(f"{path} keeps {loaded.k} candidates per token but --matrix-k is {self.matrix.k}; "
-                            "pass the matching --matrix-k or use another --matrix file")
+            raise MatrixFileError(f"{path} keeps {loaded.k} candidates per token but --matrix-k is {self.matrix.k}; "
+                                  "pass the matching --matrix-k or use another --matrix file")
         self.matrix.table.copy_(loaded.table)
         self.matrix.confidence.copy_(loaded.confidence)
 
@@ -214,6 +244,12 @@ class Engine:
         """Like generate, yielding the answer's text as it is accepted (whole characters only); returns the
         GenerateResult (`result = yield from engine.stream(…)`, or StopIteration.value)."""
         sampling = Sampling(temperature, top_k, top_p)
+        checks.integer(max_new_tokens, "max_new_tokens", 1)
+        checks.flag(seed_from_prompt, "seed_from_prompt")
+        checks.flag(reuse_cache, "reuse_cache")
+        check_seed(seed)
+        if method is not None:
+            check_method(method)
         ids = self.prompt_ids(prompt, chat_template)
         decoder = StreamDecoder(self.tokenizer, ids)
         eos = self.tokenizer.eos_ids
@@ -251,7 +287,8 @@ class Engine:
                 adaptive.cost = self.cost_model()
         keep = shared_prefix(self.cached_ids, ids) if reuse_cache else 0
         self.cache.length = min(keep, len(ids) - 1)  # the last prompt token is always run: its logits start decoding
-        self.cached_ids = []  # unknown until the loop finishes (an interrupted loop leaves nothing to reuse)
+        # The loop writes only after these slots, so an interrupted call (Ctrl-C) still leaves them to reuse.
+        self.cached_ids = ids[: self.cache.length]
         eos = self.tokenizer.eos_ids
         if method == "ar":
             gen = yield from plain_steps(self.model, self.cache, ids, max_new_tokens, eos, sampler)
@@ -279,9 +316,13 @@ class Engine:
 
 
 def check_method(method: str) -> str:
-    if method not in METHODS:
-        raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise InvalidValue(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     return method
+
+
+def check_seed(seed: int | None) -> int | None:
+    return None if seed is None else checks.integer(seed, "seed", 0, checks.MAX_SEED)
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -295,10 +336,20 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _check_device(device) -> torch.device:
+    """A CPU or a CUDA device this machine has; anything else (mps, xpu, a GPU index too high) is refused here
+    rather than deep inside the first kernel."""
+    if not isinstance(device, (str, torch.device)):
+        raise InvalidType(f"device must be a string like 'cpu' or 'cuda:0', got {type(device).__name__}")
     try:
         device = torch.device(device)
     except RuntimeError:
-        raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but this torch build has no CUDA device; use --device cpu")
+        raise InvalidValue(f"unknown device {str(device)!r}; use cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidValue(f"--device {device.type} is not supported; tr_engine runs on cpu or cuda[:N]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda was asked for but this torch build has no CUDA device; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise InvalidValue(f"--device {device} does not exist: this machine has {torch.cuda.device_count()} "
+                               f"CUDA device(s), cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return device

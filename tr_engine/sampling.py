@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tr_engine.errors import UserError
+from tr_engine import checks
 
 # Top-p looks for its nucleus among this many most likely tokens first, and sorts the whole vocabulary only when they
 # hold less than top-p of the probability (a flat distribution). Both give the same set.
@@ -37,12 +37,11 @@ class Sampling:
     top_p: float = 1.0  # 1: all tokens
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise UserError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise UserError(f"--top-k must be >= 0 (0 keeps every token), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1] (1 keeps every token), got {self.top_p}")
+        # Any finite temperature above 0 works, however small: probabilities() divides logits already shifted to a
+        # maximum of 0, which cannot overflow (a tiny temperature is greedy decoding, ties shared).
+        checks.real(self.temperature, "--temperature (0 is greedy)", 0.0)
+        checks.integer(self.top_k, "--top-k (0 keeps every token)", 0)
+        checks.real(self.top_p, "--top-p (1 keeps every token)", 0.0, 1.0, low_open=True)
 
     @property
     def greedy(self) -> bool:
@@ -65,7 +64,8 @@ GREEDY = Sampling()
 def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """The distribution sampled from at one position: logits [V] -> probabilities [V] (float64 for float64 logits,
     else float32), zero outside the top-k and the top-p nucleus and not renormalised (sample() scales by the sum)."""
-    z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / s.temperature
+    z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    z = (z - z.max()) / s.temperature  # <= 0 everywhere: no overflow to inf - inf = NaN at tiny temperatures
     if 0 < s.top_k < z.shape[-1]:
         kth = torch.topk(z, s.top_k).values[-1]
         z = z.masked_fill(z < kth, float("-inf"))  # ties with the k-th are kept

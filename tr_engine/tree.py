@@ -11,10 +11,15 @@ from pathlib import Path
 
 import torch
 
-from tr_engine.errors import UserError
+from tr_engine.errors import InvalidValue, UserError
 
 # The paper's default tree "2.2.2" (80 nodes, depth 6), shipped with the package (shared/data/tree_2.2.2.json).
 TREES = Path(__file__).parent / "trees"
+# The most nodes a tree may have. A verify step's cost grows with its tokens (and its logits are [T, V] floats:
+# 1024 x 128k vocab is 0.5 GB); the paper's tree has 80, the adaptive trees at most 127, and on the hardware measured
+# here no tree past a few hundred tokens repays its verify.
+MAX_TREE_NODES = 1023
+MAX_TREE_FILE_BYTES = 1 << 20  # the largest tree in rank paths is ~0.5 MB of JSON (a 1023-node chain)
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,15 @@ class DraftTree:
 
 
 def build_tree(paths, k: int | None = None) -> DraftTree:
-    """Validate rank paths (prefix-closed, no duplicates, ranks < k) and precompute the buffers."""
-    paths = [tuple(int(r) for r in p) for p in paths]
+    """Validate rank paths (at most MAX_TREE_NODES, prefix-closed, no duplicates, ranks < k) and precompute the
+    buffers."""
+    if len(paths) > MAX_TREE_NODES:
+        raise InvalidValue(f"the draft tree has {len(paths)} nodes; at most {MAX_TREE_NODES} are allowed (a verify "
+                           f"step of {MAX_TREE_NODES + 1} tokens already costs more than it can save)")
+    for p in paths:
+        if not isinstance(p, (list, tuple)) or not all(type(r) is int for r in p):
+            raise InvalidValue(f"draft tree node {_short(p)} is not a list of integer ranks like [0, 1]")
+    paths = [tuple(p) for p in paths]
     seen = set()
     for p in paths:
         if not p:
@@ -136,12 +148,27 @@ def load_tree(spec: str | Path = "2.2.2", k: int | None = None) -> DraftTree:
     """A shipped tree by name ("2.2.2") or a JSON file ({"nodes": [[0], [1], [0, 0], …]} or a bare list)."""
     path = TREES / f"{spec}.json" if (TREES / f"{spec}.json").is_file() else Path(spec)
     try:
-        data = json.loads(path.read_text())
+        if path.stat().st_size > MAX_TREE_FILE_BYTES:  # checked before reading: a tree file could be anything
+            raise InvalidValue(f"{path} is {path.stat().st_size} bytes, too large for a draft tree file (at most "
+                               f"{MAX_TREE_NODES} nodes, {MAX_TREE_FILE_BYTES} bytes); pass a smaller --tree")
+        data = json.loads(path.read_bytes())
+    except UserError:
+        raise
     except FileNotFoundError:
-        raise UserError(f"no draft tree file at {path}; pass --tree with a JSON file of rank paths")
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); a tree file is {{\"nodes\": [[0], [1], [0, 0], …]}}")
+        raise UserError(f"no draft tree file at {path}; pass --tree adaptive, 2.2.2 or a JSON file of rank paths")
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise UserError(f"{path} is not valid JSON ({type(e).__name__}); a tree file is "
+                        '{"nodes": [[0], [1], [0, 0], …]}')
+    except OSError as e:
+        raise UserError(f"{path} cannot be read as a draft tree file ({e.strerror}); pass --tree with a JSON file")
+    except ValueError as e:  # a path with a NUL byte
+        raise UserError(f"--tree {spec!r} is not a valid path ({e}); pass adaptive, 2.2.2 or a JSON file")
     nodes = data["nodes"] if isinstance(data, dict) and "nodes" in data else data
     if not isinstance(nodes, list) or not all(isinstance(p, list) for p in nodes):
         raise UserError(f"{path}: expected a list of rank paths like [[0], [1], [0, 0]]")
     return build_tree(nodes, k)
+
+
+def _short(x) -> str:
+    text = json.dumps(x) if isinstance(x, (list, tuple, int, str, float, type(None), dict)) else repr(x)
+    return text if len(text) <= 40 else text[:40] + "…"

@@ -18,14 +18,19 @@ from tr_engine.ops import load_ops, packs
 
 # Keys some checkpoints carry that hold no learned weights (old Llama/Vicuna exports save RoPE's inv_freq buffer).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# What a weight may be stored as (safetensors' names). Integers and bools would be cast and used without a word, and
+# an 8-bit float is meaningless without the scales that quantized checkpoints carry beside it.
+WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise UserError(f"dtype {name} cannot run a model; choose one of float32, bfloat16, float16, float64")
         return name
-    if name not in DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise UserError(f"unknown dtype {name!r}; choose one of float32, bfloat16, float16, float64")
     return DTYPES[name]
 
@@ -77,6 +82,11 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
                     if key not in expected:
                         unexpected.append(key)
                         continue
+                    stored = f.get_slice(key).get_dtype()
+                    if stored not in WEIGHT_DTYPES:
+                        raise WeightsError(f"{path.name}: weight {key} is stored as {stored}, not as floating point "
+                                           f"({', '.join(WEIGHT_DTYPES)}); a quantized or corrupt checkpoint: "
+                                           "convert it to float16, bfloat16 or float32 first")
                     shape = tuple(f.get_slice(key).get_shape())
                     if shape != tuple(expected[key]):
                         raise WeightsError(f"{path.name}: weight {key} has shape {list(shape)}, the config implies "
@@ -84,6 +94,8 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
                     state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
         except SafetensorError as e:
             raise WeightsError(f"{path} is corrupt or truncated ({e}); download or convert it again")
+        except OSError as e:
+            raise WeightsError(f"{path} cannot be read ({e.strerror or e}); check the file and its permissions")
     missing = sorted(set(expected) - set(state))
     if missing or unexpected:
         parts = []
