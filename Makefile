@@ -13,7 +13,7 @@ MODEL       ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
 
-.PHONY: install model chat generate test test-fast bench bench-ar bench-kernels bench-step cuda-check clean
+.PHONY: install model chat generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-soak cuda-check clean
 
 $(VENV)/.deps: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ test: model
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
+# The fuzz suite at FUZZ_SCALE times the cases `make test` runs (about 2 minutes at 20 here), with Hypothesis's
+# statistics: how many cases of each kind got as far as an answer.
+FUZZ_SCALE ?= 20
+fuzz: install
+	TR_ENGINE_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q --hypothesis-show-statistics $(PYTEST_ARGS) tests/test_fuzz.py
+
 # A quick look (about 4 minutes here): two questions per category group in bf16 with our methods and transformers'
 # greedy generate, and the verify-cost curve at one prefix. The full runs: README, "Benchmarks".
 bench: model
@@ -60,6 +66,10 @@ bench-kernels: install
 
 bench-step: model
 	$(PY) -m bench.verify_step
+
+# 300 piped chat turns in one process, resident memory every 25 (about 10 minutes here).
+bench-soak: model
+	$(PY) -m bench.chat_soak
 
 # Compile every CUDA kernel for Ampere and Hopper with nvcc alone, and the torch-facing launchers against torch's
 # headers (no CUDA build of torch needed).

@@ -1,12 +1,33 @@
-"""Running the command-line tools in a subprocess, and what their user errors must look like."""
+"""Running the command-line tools, in a subprocess or in this process, and what their user errors must look like."""
 
+import contextlib
+import io
 import subprocess
 import sys
+from types import SimpleNamespace
+
+from tr_engine.cli import run
 
 
-def run_module(module: str, *args, stdin: str | None = None, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], input=stdin, capture_output=True, text=True,
-                          timeout=600, env=env)
+def run_module(module: str, *args, stdin: str | bytes | None = None, env=None, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m module args…` in a subprocess; stdin and the output are text unless stdin is bytes."""
+    return subprocess.run([sys.executable, "-m", module, *args], input=stdin, capture_output=True,
+                          text=not isinstance(stdin, bytes), timeout=600, env=env, **kwargs)
+
+
+def call_main(main, *args, stdin: bytes = b"") -> SimpleNamespace:
+    """A tool's main() in this process, as its __main__ runs it (tr_engine.cli.run), with `stdin` as its input;
+    returns returncode, stdout and stderr like run_module (no interpreter start: for the many-case tests)."""
+    out, err = io.StringIO(), io.StringIO()
+    stdin_stream = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
+    saved = sys.stdin
+    sys.stdin = stdin_stream
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = run(main, list(args))
+    finally:
+        sys.stdin = saved
+    return SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def assert_one_line_error(proc, *needles):
