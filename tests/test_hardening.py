@@ -68,6 +68,8 @@ def answer_then_warning(proc, needle="could not save the recycling matrix"):
     (["--dtype", "int8"], "--dtype"),
     (["--method", "fastest"], "--method"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--tree", "no\rsuch\ntree.json"], "no\\rsuch\\ntree.json"),  # quoted values stay on one line (the fuzz's find)
+    (["--model", "/no/such\nfolder"], "/no/such\\nfolder"),
 ])
 def test_bad_flags_are_one_line_errors(folder, flags, needle):
     assert_one_line_error(gen(folder, "--prompt", "hi", *flags), needle)

@@ -13,7 +13,7 @@ from pathlib import Path
 from tr_engine import checks
 from tr_engine.cli import ArgumentParser, run, warn
 from tr_engine.cli_args import add_engine_args, engine_from_args, integer, sampling_from_args
-from tr_engine.errors import MatrixFileError, UserError
+from tr_engine.errors import MatrixFileError, UserError, one_line
 from tr_engine.methods import METHODS
 from tr_engine.models import home
 
@@ -169,7 +169,7 @@ def command(session: Session, line: str) -> bool:
     elif word == "/help":
         print(HELP, file=sys.stderr)
     else:
-        print(f"unknown command {word}; /help lists them", file=sys.stderr)
+        print(f"unknown command {one_line(word)}; /help lists them", file=sys.stderr)
     return True
 
 

@@ -17,7 +17,7 @@ import sys
 import threading
 import traceback
 
-from tr_engine.errors import UserError
+from tr_engine.errors import UserError, one_line
 
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 DEBUG_ENV = "TR_ENGINE_DEBUG"
@@ -85,7 +85,7 @@ def _out_of_memory(e: BaseException) -> bool:
 
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
-    text = lines[0] if lines else "no message"
+    text = one_line(lines[0]) if lines else "no message"
     return text if len(text) <= 200 else text[:200] + "…"
 
 

@@ -5,8 +5,18 @@ them as one line without a traceback (tr_engine/cli.py). Anything else escaping 
 """
 
 
+def one_line(text: str) -> str:
+    """`text` with line breaks and other unprintable characters written as escapes (a newline as \\n), so that a
+    message quoting the user's own value (a file name with a carriage return in it, say) stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class UserError(Exception):
-    """Bad input from the user (model folder, config, prompt, flags, files). The message says what to do about it."""
+    """Bad input from the user (model folder, config, prompt, flags, files). The message says what to do about it,
+    in one line whatever it quotes."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(str(message)))
 
 
 class ModelNotFound(UserError):
