@@ -5,7 +5,7 @@ import sys
 
 from tr_engine import checks
 from tr_engine.errors import UserError
-from tr_engine.methods import ADAPTIVE, METHODS
+from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, METHODS
 from tr_engine.models import DEFAULT_MODEL
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")
@@ -44,9 +44,10 @@ def _checked(check, value, low, high, what, **kwargs):
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"model folder or known name (default {DEFAULT_MODEL})")
     ap.add_argument("--model-dir", default=None, help="folder that holds known models by name (searched first)")
-    ap.add_argument("--method", default="tr", choices=METHODS,
-                    help="tr: Token Recycling (default); pld: prompt lookup; hybrid: both in one tree; ar: plain "
-                         "greedy. Same output tokens")
+    ap.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
+                    help="hybrid (default, the fastest measured here): Token Recycling's tree with prompt lookup's "
+                         "chain; tr: Token Recycling alone (with --tree 2.2.2: the paper's setting); pld: prompt "
+                         "lookup; ar: plain greedy. Same output tokens")
     ap.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, metavar="DTYPE",
                     help="float32 (default), bfloat16, float16")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")

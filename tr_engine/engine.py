@@ -1,6 +1,6 @@
 """The Python API: load a model once, then generate. The command-line tools and the benchmarks go through it.
 
-    engine = Engine.from_pretrained("smollm2-135m-instruct", dtype="float32", method="tr")
+    engine = Engine.from_pretrained("smollm2-135m-instruct", dtype="float32")  # method="hybrid", the default
     result = engine.generate("What is the capital of France?", max_new_tokens=64)
     print(result.text, result.tokens_per_s, result.mean_accepted)
     for piece in engine.stream([{"role": "user", "content": "Tell me a joke."}]):
@@ -20,7 +20,7 @@ from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
-from tr_engine.methods import ADAPTIVE, METHODS
+from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, METHODS
 from tr_engine.model import Llama
 from tr_engine.models import home, resolve_model
 from tr_engine.ops import load_ops
@@ -75,7 +75,8 @@ class GenerateResult:
 
 class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, ops: str = "kernels",
-                 tree: str = ADAPTIVE, matrix_k: int = 8, method: str = "tr", seed: int | None = None):
+                 tree: str = ADAPTIVE, matrix_k: int = 8, method: str = DEFAULT_METHOD,
+                 seed: int | None = None):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
         # Sampling's randomness: each sampled call draws its own seed from this stream (or takes the one it is given),
         # so a seeded engine answers a sequence of calls the same way whatever method each uses.
@@ -158,7 +159,7 @@ class Engine:
         threads: int | None = None,
         tree: str = ADAPTIVE,
         matrix_k: int = 8,
-        method: str = "tr",
+        method: str = DEFAULT_METHOD,
         seed: int | None = None,
     ) -> "Engine":
         if not isinstance(name_or_path, (str, Path)):

@@ -1,12 +1,12 @@
 """Saving state files (the recycling matrix, the cost curve) so that no reader, crash or second writer ever sees half
 of one.
 
-`atomic_write` writes the bytes into a temporary file beside the target, unique to the writer (host, pid and a random part in
-its name), syncs it and renames it over the target: readers see the old file or the new one, never a mix. Any
-failure (a full disk, a read-only folder) removes the temporary file and keeps the old target. Ctrl-C and SIGTERM
-wait until the rename is done (a save takes well under a second) and then act as usual. A writer killed outright
-(SIGKILL, a power cut) leaves its temporary file behind; the next save to the same target removes it once its
-writer is gone.
+`atomic_write` writes the bytes into a temporary file beside the target, unique to the writer (host, pid and a random
+part in its name), syncs it and renames it over the target: readers see the old file or the new one, never a mix.
+Any failure (a full disk, a read-only folder) removes the temporary file and keeps the old target. Ctrl-C and
+SIGTERM wait until the rename is done (a save takes well under a second) and then act as usual. A writer killed
+outright (SIGKILL, a power cut) leaves its temporary file behind; the next save to the same target removes it once
+its writer is gone.
 
 Two processes saving the same target: the last rename wins, and each file on disk is always one writer's whole
 state. No lock: the contents are caches that only speed decoding up, any one writer's is a good state, and a merge

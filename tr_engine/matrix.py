@@ -132,7 +132,8 @@ def _checked(data, path, vocab_size: int, fingerprint: str) -> tuple[torch.Tenso
     confidence = data.get("confidence")
     if confidence is None:
         return table, None
-    if not isinstance(confidence, torch.Tensor) or not confidence.is_floating_point() or confidence.shape != table.shape:
+    if not (isinstance(confidence, torch.Tensor) and confidence.is_floating_point()
+            and confidence.shape == table.shape):
         raise bad(f"its confidences are {_describe(confidence)}, not a float matrix {list(table.shape)}")
     if not bool(((confidence >= 0) & (confidence <= 1)).all()):  # NaN fails both
         raise bad("confidences outside [0, 1]")
