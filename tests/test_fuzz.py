@@ -237,7 +237,6 @@ def matrix_contents(draw):
     return data if draw(st.integers(0, 5)) else draw(json_values)
 
 
-@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # random bytes that look like a pickle to torch
 @fuzz(150)
 @given(content=st.one_of(matrix_contents(), st.binary(max_size=200)))
 def test_fuzz_matrix_files(tmp_path, content):

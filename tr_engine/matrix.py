@@ -6,6 +6,7 @@ vocabulary.
 """
 
 import io
+import warnings
 from pathlib import Path
 
 import torch
@@ -89,7 +90,9 @@ class RecyclingMatrix:
         confidences) before anything uses them: a file edited, truncated or written by something else is refused
         with a MatrixFileError, never loaded to fail later in a kernel."""
         try:
-            data = torch.load(path, map_location="cpu", weights_only=True)  # weights_only: no pickled code runs
+            with warnings.catch_warnings():  # torch warns about garbage that looks like a pickle: one line is ours
+                warnings.simplefilter("ignore")
+                data = torch.load(path, map_location="cpu", weights_only=True)  # weights_only: no pickled code runs
         except FileNotFoundError:
             raise MatrixFileError(f"no recycling matrix at {path}; drop --matrix to start from an empty one")
         except IsADirectoryError:
