@@ -76,6 +76,13 @@ def test_bad_flags_are_one_line_errors(folder, flags, needle):
     assert_one_line_error(gen(folder, "--prompt", "hi", *flags), needle)
 
 
+def test_the_flags_offer_the_dtypes_the_loader_takes():
+    from tr_engine.cli_args import DTYPE_NAMES
+    from tr_engine.weights import DTYPES
+
+    assert set(DTYPE_NAMES) == set(DTYPES)
+
+
 def test_bad_flags_in_a_real_process(folder):
     """The same through the interpreter's own entry point: argparse's usage block is not printed."""
     assert_one_line_error(run_module("tr_engine.generate", "--model", str(folder), "--prompt", "hi", "--threads",

@@ -5,11 +5,10 @@ import sys
 
 from tr_engine import checks
 from tr_engine.errors import UserError
-from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, METHODS
+from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, MAX_MATRIX_K, METHODS
 from tr_engine.models import DEFAULT_MODEL
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")
-MAX_MATRIX_K = 16  # tr_engine.matrix.MAX_K, without importing torch before the flags are parsed
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")  # weights.DTYPES, torch-free
 
 
 def integer(low: int | None = None, high: int | None = None, what: str = ""):
@@ -54,7 +53,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-context", type=integer(1), default=None, help="KV-cache capacity in tokens")
     ap.add_argument("--threads", type=integer(1, checks.usable_cpus(), "the CPUs this process may use"), default=None,
                     help="CPU threads (default: all available)")
-    ap.add_argument("--ops", default="kernels", choices=["kernels", "reference"], help="compiled ops or their references")
+    ap.add_argument("--ops", default="kernels", choices=["kernels", "reference"],
+                    help="compiled ops or their references")
     ap.add_argument("--tree", default=ADAPTIVE,
                     help="draft tree: adaptive (default: chosen each step for this machine's verify cost, measured "
                          "once and cached), 2.2.2 (the paper's static tree), or a JSON file of rank paths")

@@ -14,11 +14,8 @@ import torch
 from tr_engine import reference
 from tr_engine.errors import InvalidValue, MatrixFileError
 from tr_engine.files import atomic_write, signals_deferred
+from tr_engine.methods import MAX_MATRIX_K
 from tr_engine.tree import DraftTree
-
-# Candidates kept per token, at most: the CUDA recycle kernel keeps a row's best k in registers, up to 16 of them
-# (csrc/cuda/recycle_update.cu). The paper keeps 8.
-MAX_K = 16
 
 
 class RecyclingMatrix:
@@ -29,9 +26,9 @@ class RecyclingMatrix:
     nodes where the model was sure (tr_engine/adaptive.py); the paper's static tree ignores it."""
 
     def __init__(self, vocab_size: int, k: int = 8, device="cpu", update=reference.recycle_update_):
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(MAX_K, vocab_size):
-            raise InvalidValue(f"--matrix-k must be an integer between 1 and {min(MAX_K, vocab_size)} (the candidates "
-                               f"kept per token), got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(MAX_MATRIX_K, vocab_size):
+            raise InvalidValue(f"--matrix-k must be an integer between 1 and {min(MAX_MATRIX_K, vocab_size)} (the "
+                               f"candidates kept per token), got {k!r}")
         self.table = torch.zeros(vocab_size, k, dtype=torch.long, device=device)  # [V, k] token ids
         self.confidence = torch.zeros(vocab_size, k, dtype=torch.float16, device=device)  # [V, k]
         self.update = update
@@ -128,8 +125,8 @@ def _checked(data, path, vocab_size: int, fingerprint: str) -> tuple[torch.Tenso
                               f"this model: {vocab_size}, {fingerprint}); delete it or use another --matrix file")
     if not isinstance(table, torch.Tensor) or table.dtype != torch.long or table.dim() != 2:
         raise bad(f"its table is {_describe(table)}, not an int64 matrix [vocab, k]")
-    if table.shape[0] != vocab_size or not 1 <= table.shape[1] <= MAX_K:
-        raise bad(f"its table is {list(table.shape)}, not [{vocab_size}, k] with k in 1..{MAX_K}")
+    if table.shape[0] != vocab_size or not 1 <= table.shape[1] <= MAX_MATRIX_K:
+        raise bad(f"its table is {list(table.shape)}, not [{vocab_size}, k] with k in 1..{MAX_MATRIX_K}")
     if table.numel() and not (0 <= int(table.min()) and int(table.max()) < vocab_size):
         raise bad(f"token ids outside 0..{vocab_size - 1}")
     confidence = data.get("confidence")
