@@ -340,7 +340,7 @@ def _check_device(device) -> torch.device:
     """A CPU or a CUDA device this machine has; anything else (mps, xpu, a GPU index too high) is refused here
     rather than deep inside the first kernel."""
     if not isinstance(device, (str, torch.device)):
-        raise InvalidType(f"device must be a string like 'cpu' or 'cuda:0', got {type(device).__name__}")
+        raise InvalidType(f"device must be a string like 'cpu' or 'cuda:N', got {type(device).__name__}")
     try:
         device = torch.device(device)
     except RuntimeError:
@@ -352,5 +352,5 @@ def _check_device(device) -> torch.device:
             raise UserError("--device cuda was asked for but this torch build has no CUDA device; use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise InvalidValue(f"--device {device} does not exist: this machine has {torch.cuda.device_count()} "
-                               f"CUDA device(s), cuda:0..cuda:{torch.cuda.device_count() - 1}")
+                               f"CUDA device(s), numbered from 0 to {torch.cuda.device_count() - 1}")
     return device
