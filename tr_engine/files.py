@@ -96,9 +96,9 @@ def _host() -> str:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: someone else's live process
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's live process
-        return True
+    except PermissionError:
+        pass
     return True

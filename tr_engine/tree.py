@@ -148,12 +148,8 @@ def load_tree(spec: str | Path = "2.2.2", k: int | None = None) -> DraftTree:
     """A shipped tree by name ("2.2.2") or a JSON file ({"nodes": [[0], [1], [0, 0], …]} or a bare list)."""
     path = TREES / f"{spec}.json" if (TREES / f"{spec}.json").is_file() else Path(spec)
     try:
-        if path.stat().st_size > MAX_TREE_FILE_BYTES:  # checked before reading: a tree file could be anything
-            raise InvalidValue(f"{path} is {path.stat().st_size} bytes, too large for a draft tree file (at most "
-                               f"{MAX_TREE_NODES} nodes, {MAX_TREE_FILE_BYTES} bytes); pass a smaller --tree")
-        data = json.loads(path.read_bytes())
-    except UserError:
-        raise
+        size = path.stat().st_size  # checked before reading: a tree file could be anything
+        data = json.loads(path.read_bytes()) if size <= MAX_TREE_FILE_BYTES else None
     except FileNotFoundError:
         raise UserError(f"no draft tree file at {path}; pass --tree adaptive, 2.2.2 or a JSON file of rank paths")
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -163,12 +159,15 @@ def load_tree(spec: str | Path = "2.2.2", k: int | None = None) -> DraftTree:
         raise UserError(f"{path} cannot be read as a draft tree file ({e.strerror}); pass --tree with a JSON file")
     except ValueError as e:  # a path with a NUL byte
         raise UserError(f"--tree {spec!r} is not a valid path ({e}); pass adaptive, 2.2.2 or a JSON file")
+    if size > MAX_TREE_FILE_BYTES:
+        raise InvalidValue(f"{path} is {size} bytes, too large for a draft tree file (at most {MAX_TREE_NODES} "
+                           f"nodes, {MAX_TREE_FILE_BYTES} bytes); pass a smaller --tree")
     nodes = data["nodes"] if isinstance(data, dict) and "nodes" in data else data
-    if not isinstance(nodes, list) or not all(isinstance(p, list) for p in nodes):
+    if not isinstance(nodes, list):  # the nodes themselves are checked by build_tree
         raise UserError(f"{path}: expected a list of rank paths like [[0], [1], [0, 0]]")
     return build_tree(nodes, k)
 
 
 def _short(x) -> str:
-    text = json.dumps(x) if isinstance(x, (list, tuple, int, str, float, type(None), dict)) else repr(x)
+    text = repr(x)
     return text if len(text) <= 40 else text[:40] + "…"
