@@ -38,6 +38,13 @@ TORCH_LIBRARY(tr_engine, m) {
   // row-independent: a row's bits depend only on its query and its keys in order (prefix slots, then its visible
   // tree slots by index), so it equals a one-token call with those keys in the cache; CUDA agrees up to rounding.
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, int prefix_len, Tensor tree_mask, float scale) -> Tensor");
+
+  // tree_attention with the prefix length in a one-element int64 tensor on q's device instead of an int, so that a
+  // CUDA graph captured once replays at every prefix length (the kernel reads it; the launch does not depend on it).
+  // The CPU kernel reads it and checks it like tree_attention; the CUDA kernel clamps it to 0..S-T on the device
+  // (checking it there would need a host sync), so the caller keeps prefix_len + T <= S.
+  m.def("tree_attention_dynamic(Tensor q, Tensor k, Tensor v, Tensor prefix_len, Tensor tree_mask, float scale) -> "
+        "Tensor");
 }
 
 // `import tr_engine._C` loads this library, which runs the registrations above; the module itself is empty.

@@ -29,4 +29,13 @@ inline void check_tree_attention_args(const at::Tensor& q, const at::Tensor& k, 
               tree_mask.sizes());
 }
 
+// tree_attention_dynamic's prefix length: one int64 on q's device.
+inline void check_dynamic_prefix(const at::Tensor& prefix_len, const at::Tensor& q) {
+  TORCH_CHECK(prefix_len.numel() == 1 && prefix_len.scalar_type() == at::kLong,
+              "tree_attention_dynamic: prefix_len must be a one-element int64 tensor, got ", prefix_len.scalar_type(),
+              " ", prefix_len.sizes());
+  TORCH_CHECK(prefix_len.device() == q.device(), "tree_attention_dynamic: prefix_len must be on ", q.device(),
+              ", got ", prefix_len.device());
+}
+
 }  // namespace tr_engine

@@ -166,3 +166,56 @@ def test_a_tree_row_is_bitwise_its_decode_step(dtype, P, heads, D):
         got = kernels.tree_attention(q, k, v, P, mask, 0.125)
         for t in range(T):
             assert torch.equal(got[t], as_decode_step(q, k, v, P, mask, t)), f"token {t}"
+
+
+# tree_attention_dynamic: the prefix length as a device tensor, so that one captured CUDA graph serves every prefix.
+
+
+@pytest.mark.parametrize("ops", [kernels, reference], ids=["kernels", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("P", [0, 3, 300])
+def test_dynamic_prefix_is_bitwise_the_int_prefix(ops, dtype, P):
+    q, k, v, g = operands(9, P, 9, 3, 64, dtype, seed=P)
+    mask = random_tree_mask(9, g)
+    want = ops.tree_attention(q, k, v, P, mask, 0.125)
+    assert torch.equal(ops.tree_attention_dynamic(q, k, v, torch.tensor([P]), mask, 0.125), want)
+    assert torch.equal(ops.tree_attention_dynamic(q, k, v, torch.tensor(P), mask, 0.125), want)
+
+
+@pytest.mark.parametrize(
+    "prefix,message",
+    [(torch.tensor([5.0]), "one-element int64"), (torch.tensor([5, 6]), "one-element int64"),
+     (torch.tensor([11]), "exceeds the cache"), (torch.tensor([-1]), "exceeds the cache")],
+)
+def test_dynamic_prefix_errors(prefix, message):
+    q, k, v, _ = operands(3, 5, 4, 2, 8, torch.float32)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.tree_attention_dynamic(q, k, v, prefix, torch.ones(3, 3, dtype=torch.bool).tril(), 0.5)
+
+
+def test_dynamic_opcheck():
+    q, k, v, g = operands(5, 7, 4, 2, 16, torch.float32)
+    torch.library.opcheck(torch.ops.tr_engine.tree_attention_dynamic,
+                          (q, k, v, torch.tensor([7]), random_tree_mask(5, g), 0.25))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_dynamic_prefix_replays_in_a_graph(dtype):
+    """One graph captured at one prefix gives, replayed at others, what the int-prefix op gives there; a prefix past
+    the cache's end is clamped on the device (no read leaves the cache)."""
+    T, S = 9, 600
+    q, k, v, g = operands(T, 0, 9, 3, 64, dtype, seed=1, S=S)
+    q, k, v, mask = q.cuda(), k.cuda(), v.cuda(), random_tree_mask(T, g).cuda()
+    prefix = torch.tensor([10], device="cuda")
+    out = kernels.tree_attention_dynamic(q, k, v, prefix, mask, 0.125)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.tree_attention_dynamic(q, k, v, prefix, mask, 0.125)
+    for P in (0, 10, 333, S - T):
+        prefix.fill_(P)
+        graph.replay()
+        assert torch.equal(out, kernels.tree_attention(q, k, v, P, mask, 0.125)), P
+    prefix.fill_(S + 50)
+    graph.replay()
+    assert torch.equal(out, kernels.tree_attention(q, k, v, S - T, mask, 0.125))

@@ -74,3 +74,11 @@ def tree_attention(
     probs = scores.masked_fill(~sees, float("-inf")).softmax(dim=-1)
     out = probs @ values[:, None]  # [Hkv, G, T, D]
     return out.permute(2, 0, 1, 3).reshape(T, Hq, D).to(q.dtype).contiguous()
+
+
+def tree_attention_dynamic(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """tree_attention with the prefix length in a one-element int64 tensor (what a captured CUDA graph replays with:
+    the compiled kernel reads it on the device). Reading it here syncs, so the reference cannot be captured."""
+    return tree_attention(q, k, v, int(prefix_len), tree_mask, scale)

@@ -373,6 +373,16 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   return out;
 }
 
+// On a CPU the prefix length is simply read: nothing is captured here, so there is nothing to gain by not reading it.
+at::Tensor tree_attention_dynamic_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& prefix_len, const at::Tensor& tree_mask, double scale) {
+  tr_engine::check_dynamic_prefix(prefix_len, q);
+  return tree_attention_cpu(q, k, v, prefix_len.item<int64_t>(), tree_mask, scale);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(tr_engine, CPU, m) { m.impl("tree_attention", &tree_attention_cpu); }
+TORCH_LIBRARY_IMPL(tr_engine, CPU, m) {
+  m.impl("tree_attention", &tree_attention_cpu);
+  m.impl("tree_attention_dynamic", &tree_attention_dynamic_cpu);
+}

@@ -12,7 +12,8 @@ cudaError_t launch_compact_kv(void* cache, const int64_t* src_slots, void* scrat
                               int64_t slot_bytes, int64_t dst_start, cudaStream_t stream);
 cudaError_t launch_tree_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
                                   const void* v, int64_t kv_stride_h, int64_t kv_stride_s, const bool* mask, int T,
-                                  int Hq, int Hkv, int D, int P, float scale, void* out, cudaStream_t stream);
+                                  int Hq, int Hkv, int D, int P, const int64_t* prefix_dev, int S, float scale,
+                                  void* out, cudaStream_t stream);
 int tree_attention_max_head_dim();
 cudaError_t launch_recycle_update(int dtype, int64_t* table, const int64_t* tokens, const void* logits, int n_rows,
                                   int64_t V, int k, cudaStream_t stream);
@@ -59,24 +60,38 @@ void compact_kv_cuda_(at::Tensor& cache, const at::Tensor& src_slots, int64_t ds
   check_launch(err, "compact_kv_");
 }
 
-at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
-                               const at::Tensor& tree_mask, double scale) {
+// The launch shared by tree_attention (prefix_dev null: prefix_len is the int) and tree_attention_dynamic.
+at::Tensor tree_attention_launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
+                                 const int64_t* prefix_dev, const at::Tensor& tree_mask, double scale, const char* op) {
   tr_engine::check_tree_attention_args(q, k, v, prefix_len, tree_mask);
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0);
-  TORCH_CHECK(D <= tr_engine::tree_attention_max_head_dim(), "tree_attention: head dim ", D, " exceeds the CUDA "
-              "kernel's ", tr_engine::tree_attention_max_head_dim());
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
+  TORCH_CHECK(D <= tr_engine::tree_attention_max_head_dim(), op, ": head dim ", D, " exceeds the CUDA kernel's ",
+              tr_engine::tree_attention_max_head_dim());
   // A row that sees no key (prefix_len 0 and an all-False mask row) is not detected on the device (that would need a
   // host sync); the decode loop's masks always include the token itself.
-  const int code = dtype_code(q, "tree_attention");
+  const int code = dtype_code(q, op);
   const c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({T, Hq, D}, q.options());
   const auto mask = tree_mask.contiguous();
   check_launch(tr_engine::launch_tree_attention(code, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(),
                                                 v.data_ptr(), k.stride(0), k.stride(1), mask.data_ptr<bool>(), T, Hq,
-                                                Hkv, D, prefix_len, static_cast<float>(scale), out.data_ptr(),
-                                                c10::cuda::getCurrentCUDAStream()),
-               "tree_attention");
+                                                Hkv, D, prefix_len, prefix_dev, S, static_cast<float>(scale),
+                                                out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+               op);
   return out;
+}
+
+at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
+                               const at::Tensor& tree_mask, double scale) {
+  return tree_attention_launch(q, k, v, prefix_len, nullptr, tree_mask, scale, "tree_attention");
+}
+
+at::Tensor tree_attention_dynamic_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& prefix_len, const at::Tensor& tree_mask, double scale) {
+  tr_engine::check_dynamic_prefix(prefix_len, q);
+  const auto prefix = prefix_len.contiguous();
+  // The shapes are checked as for a prefix of 0 (T <= S); the length itself is read, and clamped, by the kernel.
+  return tree_attention_launch(q, k, v, 0, prefix.data_ptr<int64_t>(), tree_mask, scale, "tree_attention_dynamic");
 }
 
 void recycle_update_cuda_(at::Tensor& table, const at::Tensor& tokens, const at::Tensor& logits) {
@@ -129,6 +144,7 @@ at::Tensor skinny_linear_cuda(const at::Tensor& x, const at::Tensor& w) {
 TORCH_LIBRARY_IMPL(tr_engine, CUDA, m) {
   m.impl("compact_kv_", &compact_kv_cuda_);
   m.impl("tree_attention", &tree_attention_cuda);
+  m.impl("tree_attention_dynamic", &tree_attention_dynamic_cuda);
   m.impl("recycle_update_", &recycle_update_cuda_);
   m.impl("skinny_linear", &skinny_linear_cuda);
 }

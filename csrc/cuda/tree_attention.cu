@@ -4,7 +4,8 @@
 // One block per (token, query head), flash-decoding style: the keys the token sees (all P prefix slots, then its
 // tree ancestors) are walked in chunks of blockDim; each thread scores one key of the chunk, the block keeps a running
 // max and sum (online softmax), and each thread accumulates its own output dimensions. Correct and simple; the
-// tensor-core version belongs with the GPU issue, measured on a GPU.
+// tensor-core version belongs with the GPU issue, measured on a GPU. The launch depends on T, the heads and D only,
+// never on the prefix length, which tree_attention_dynamic passes by pointer: a CUDA graph replays it at any prefix.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -48,8 +49,14 @@ __device__ float block_reduce(float v, float* scratch) {
 template <typename T>
 __global__ void tree_attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k, const T* v,
                                       int64_t kv_stride_h, int64_t kv_stride_s, const bool* mask, int T_, int Hq,
-                                      int Hkv, int D, int P, float scale, T* out) {
+                                      int Hkv, int D, int P, const int64_t* prefix_dev, int S, float scale, T* out) {
   const int t = blockIdx.x, hq = blockIdx.y, h = hq / (Hq / Hkv), tid = threadIdx.x;
+  // tree_attention_dynamic: the prefix length is read here (a captured graph replays at any prefix), clamped so that
+  // no read leaves the cache.
+  if (prefix_dev != nullptr) {
+    const int64_t p = *prefix_dev, top = S - T_;
+    P = static_cast<int>(p < 0 ? 0 : (p > top ? top : p));
+  }
   extern __shared__ float smem[];
   float* qs = smem;                                         // [D] scaled query
   float* probs = qs + D;                                    // [kThreads] this chunk's probabilities
@@ -108,12 +115,12 @@ __global__ void tree_attention_kernel(const T* q, int64_t q_stride_t, int64_t q_
 template <typename T>
 cudaError_t launch(const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k, const void* v,
                    int64_t kv_stride_h, int64_t kv_stride_s, const bool* mask, int T_, int Hq, int Hkv, int D, int P,
-                   float scale, void* out, cudaStream_t stream) {
+                   const int64_t* prefix_dev, int S, float scale, void* out, cudaStream_t stream) {
   const dim3 grid(T_, Hq);
   const size_t shared = (D + kThreads) * sizeof(float) + (kThreads + T_) * sizeof(int);
   tree_attention_kernel<T><<<grid, kThreads, shared, stream>>>(
       static_cast<const T*>(q), q_stride_t, q_stride_h, static_cast<const T*>(k), static_cast<const T*>(v),
-      kv_stride_h, kv_stride_s, mask, T_, Hq, Hkv, D, P, scale, static_cast<T*>(out));
+      kv_stride_h, kv_stride_s, mask, T_, Hq, Hkv, D, P, prefix_dev, S, scale, static_cast<T*>(out));
   return cudaGetLastError();
 }
 
@@ -121,15 +128,17 @@ cudaError_t launch(const void* q, int64_t q_stride_t, int64_t q_stride_h, const 
 
 int tree_attention_max_head_dim() { return kThreads * kMaxDimsPerThread; }
 
-// dtype: 0 float32, 1 float16, 2 bfloat16. Returns the launch error (cudaSuccess when the launch was accepted).
+// dtype: 0 float32, 1 float16, 2 bfloat16. The prefix length is P, or *prefix_dev (read on the device, clamped to
+// 0..S-T) when prefix_dev is not null. Returns the launch error (cudaSuccess when the launch was accepted).
 cudaError_t launch_tree_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
                                   const void* v, int64_t kv_stride_h, int64_t kv_stride_s, const bool* mask, int T,
-                                  int Hq, int Hkv, int D, int P, float scale, void* out, cudaStream_t stream) {
+                                  int Hq, int Hkv, int D, int P, const int64_t* prefix_dev, int S, float scale,
+                                  void* out, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   auto run = [&](auto type_tag) {
     using T_ = decltype(type_tag);
-    return launch<T_>(q, q_stride_t, q_stride_h, k, v, kv_stride_h, kv_stride_s, mask, T, Hq, Hkv, D, P, scale, out,
-                      stream);
+    return launch<T_>(q, q_stride_t, q_stride_h, k, v, kv_stride_h, kv_stride_s, mask, T, Hq, Hkv, D, P, prefix_dev, S,
+                      scale, out, stream);
   };
   switch (dtype) {
     case 0: return run(float{});
