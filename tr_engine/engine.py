@@ -18,6 +18,7 @@ from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.cost import BUCKETS, CostModel, cost_key, cost_path
 from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
+from tr_engine.graphs import StepGraphs, graph_buckets
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
 from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, METHODS
@@ -76,7 +77,7 @@ class GenerateResult:
 class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, ops: str = "kernels",
                  tree: str = ADAPTIVE, matrix_k: int = 8, method: str = DEFAULT_METHOD,
-                 seed: int | None = None):
+                 seed: int | None = None, cuda_graphs: bool | None = None):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
         # Sampling's randomness: each sampled call draws its own seed from this stream (or takes the one it is given),
         # so a seeded engine answers a sequence of calls the same way whatever method each uses.
@@ -97,6 +98,11 @@ class Engine:
         if tree != ADAPTIVE and self.tree.size >= self.cache.capacity:  # near the end a tree is cut to fit; not all
             raise InvalidValue(f"the draft tree verifies {self.tree.size} tokens a step but the cache holds only "
                                f"{self.cache.capacity}; use a smaller --tree or raise --max-context")
+        # What the decode loops run their forwards through: the model, or on a GPU its CUDA graphs (tr_engine/graphs.py).
+        self.cuda_graphs = check_cuda_graphs(cuda_graphs, model.device, ops)
+        self.runner = model
+        if self.cuda_graphs:
+            self.runner = StepGraphs(model, self.cache, graph_buckets(BUCKETS, self.tree.size, self.cache.capacity))
         self._cost: CostModel | None = None
         self.on_calibrate = None  # called (no arguments) just before the cost curve is measured: a notice, say
         self.drafters = {m: self.new_drafter(m, matrix=self.matrix) for m in ("tr", "pld", "hybrid")}
@@ -124,7 +130,7 @@ class Engine:
         return Hybrid(tr, PromptLookup(self.cache.data.device)) if method == "hybrid" else tr
 
     def _cost_location(self):
-        key = cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops_kind)
+        key = cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops_kind, self.cuda_graphs)
         return key, cost_path(home(), key)
 
     def cost_model(self, recalibrate: bool = False) -> CostModel:
@@ -138,7 +144,7 @@ class Engine:
         if cost is None:
             if self.on_calibrate is not None:
                 self.on_calibrate()
-            cost = CostModel.measure(self.model, self.cache, key)
+            cost = CostModel.measure(self.runner, self.cache, key)
             self.reset_cache()
             try:
                 cost.save(path)
@@ -161,6 +167,7 @@ class Engine:
         matrix_k: int = 8,
         method: str = DEFAULT_METHOD,
         seed: int | None = None,
+        cuda_graphs: bool | None = None,
     ) -> "Engine":
         if not isinstance(name_or_path, (str, Path)):
             raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
@@ -178,13 +185,14 @@ class Engine:
         folder = resolve_model(str(name_or_path), model_dir)
         dtype = parse_dtype(dtype)
         device = _check_device(device)
+        check_cuda_graphs(cuda_graphs, device, ops)  # before the weights load
         model = load_model(folder, dtype, device, ops)
         limit = model.config.max_position_embeddings
         if max_context is not None and not 1 <= max_context <= limit:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
         return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops, str(tree), matrix_k,
-                   method, seed)
+                   method, seed, cuda_graphs)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages
@@ -292,11 +300,11 @@ class Engine:
         self.cached_ids = ids[: self.cache.length]
         eos = self.tokenizer.eos_ids
         if method == "ar":
-            gen = yield from plain_steps(self.model, self.cache, ids, max_new_tokens, eos, sampler)
+            gen = yield from plain_steps(self.runner, self.cache, ids, max_new_tokens, eos, sampler)
         else:
             matrix = getattr(drafter, "matrix", None)
             seed_fn = matrix.seed_ if seed_from_prompt and matrix is not None else None
-            gen = yield from speculative_steps(self.model, self.cache, ids, drafter, max_new_tokens, eos,
+            gen = yield from speculative_steps(self.runner, self.cache, ids, drafter, max_new_tokens, eos,
                                                self.ops.compact_kv_, seed_fn, sampler)
         self.cached_ids = (ids + gen.token_ids)[: self.cache.length]
         return gen
@@ -320,6 +328,18 @@ def check_method(method: str) -> str:
     if not isinstance(method, str) or method not in METHODS:
         raise InvalidValue(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     return method
+
+
+def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, ops: str) -> bool:
+    """Whether the engine runs its steps as CUDA graphs: by default wherever it can (a CUDA device and the compiled
+    kernels, whose attention reads the prefix length on the device); asked for elsewhere, a one-line error."""
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise InvalidType(f"cuda_graphs must be True, False or None (where possible), got {type(cuda_graphs).__name__}")
+    possible = device.type == "cuda" and ops == "kernels"
+    if cuda_graphs and not possible:
+        why = "--device cuda" if device.type != "cuda" else "the compiled kernels (--ops kernels)"
+        raise UserError(f"--cuda-graphs on needs {why}; drop the flag or pass --cuda-graphs off")
+    return possible if cuda_graphs is None else cuda_graphs
 
 
 def check_seed(seed: int | None) -> int | None:

@@ -69,10 +69,12 @@ class AttentionMask:
     """Who the T new tokens may attend to (True = may); each sees all P cached tokens. `tree` bool [T, T] among the
     new tokens, for the tree_attention op (a verify step, or a CPU decode step: a one-node tree); otherwise `folded`
     bool [G*T, P+T], the whole mask with rows in the folded (group, token) order, for PyTorch's fused attention (a
-    prompt chunk), or neither: see everything (a GPU decode step)."""
+    prompt chunk), or neither: see everything (a GPU decode step). `slots` int64 [T]: where the new tokens' K/V go,
+    when the prefix length is a device tensor rather than an int (a step a CUDA graph replays: tr_engine/graphs.py)."""
 
     tree: torch.Tensor | None = None
     folded: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -95,11 +97,17 @@ class Attention(nn.Module):
         self.qkv_weight = fuse_linears_(self.q_proj, self.k_proj, self.v_proj)
         self.o_weight = self.o_proj.weight.detach()  # a plain tensor (a Parameter would join the state_dict)
 
-    def forward(self, x, cos, sin, kv, start: int, mask: "AttentionMask", ops):
-        """x [T, E]; kv [2, Hkv, S, D] this layer's cache, new K/V written at slots start..start+T-1."""
+    def forward(self, x, cos, sin, kv, start, mask: "AttentionMask", ops):
+        """x [T, E]; kv [2, Hkv, S, D] this layer's cache, new K/V written at slots start..start+T-1. `start` is an
+        int, or a one-element int64 tensor on the device with the slots in `mask.slots` (a replayable step)."""
         T, D, Hq, Hkv = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
         qkv = ops.linear(x, self.qkv_weight).view(T, Hq + 2 * Hkv, D)  # [T, Hq + 2 Hkv, D]: q heads, then k, then v
         qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq + Hkv, D], q and k rotated together
+        if mask.slots is not None:  # the prefix length lives on the device: a step a CUDA graph replays anywhere
+            kv[0].index_copy_(1, mask.slots, qk[:, Hq:].transpose(0, 1))
+            kv[1].index_copy_(1, mask.slots, qkv[:, Hq + Hkv :].transpose(0, 1))
+            o = ops.tree_attention_dynamic(qk[:, :Hq], kv[0], kv[1], start, mask.tree, D**-0.5)  # [T, Hq, D]
+            return ops.linear(o.reshape(T, Hq * D), self.o_weight)
         end = start + T
         kv[0, :, start:end] = qk[:, Hq:].transpose(0, 1)
         kv[1, :, start:end] = qkv[:, Hq + Hkv :].transpose(0, 1)
@@ -165,7 +173,8 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig, ops=None):
         super().__init__()
         self.config = config
-        self.ops = ops or SimpleNamespace(linear=F.linear, tree_attention=reference.tree_attention)
+        self.ops = ops or SimpleNamespace(linear=F.linear, tree_attention=reference.tree_attention,
+                                          tree_attention_dynamic=reference.tree_attention_dynamic)
         self.model = LlamaBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head_weight = None  # [V, E], the LM head as the forward uses it (fuse_, pack_)
@@ -209,7 +218,7 @@ class Llama(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        start: int,
+        start: int | torch.Tensor,
         tree_mask: torch.Tensor | None = None,
         last_logits_only: bool = False,
     ) -> torch.Tensor:
@@ -221,13 +230,20 @@ class Llama(nn.Module):
         to token j (a tree token sees its ancestors and itself). Every new token sees all P cached tokens. A tree (and
         on a CPU a single decode token) goes through the ops' tree_attention; a causal chunk of a prompt (and a GPU
         decode token) through PyTorch's fused attention.
+        `start` may also be a one-element int64 tensor on the model's device (with a tree_mask; T = 1 takes [[True]]):
+        then nothing in the forward depends on the prefix length on the host, and a CUDA graph of it replays at every
+        prefix (tr_engine/graphs.py). The caller keeps start + T within the cache.
         Returns logits [T, V] in float32 (float64 for a float64 model), or [1, V] for the last token when `last_logits_only`.
         """
         T = input_ids.shape[0]
         G = self.config.num_attention_heads // self.config.num_key_value_heads
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D] each
         device = input_ids.device
-        if tree_mask is not None:
+        if isinstance(start, torch.Tensor):
+            if tree_mask is None:
+                raise ValueError("a forward whose start is a tensor takes a tree_mask ([[True]] for one token)")
+            mask = AttentionMask(tree=tree_mask, slots=start + torch.arange(T, device=device))
+        elif tree_mask is not None:
             mask = AttentionMask(tree=tree_mask)
         elif T == 1 and device.type == "cpu":
             # A CPU decode step is a one-node tree: the op is ~2x faster than PyTorch's fused attention for one query.

@@ -1,0 +1,128 @@
+"""CUDA graphs (tr_engine/graphs.py): the decode loop's steps as replayable forwards. On a CPU the same padded,
+static-buffer steps run uncaptured (the rehearsal of the graph path) and must give the eager steps' logits bit for
+bit; on a GPU (cuda-marked) the captured graphs must give the eager engine's tokens."""
+
+import pytest
+import torch
+
+from cli import run_module
+from tr_engine.cost import BUCKETS, CostModel
+from tr_engine.engine import Engine
+from tr_engine.errors import UserError
+from tr_engine.graphs import StepGraphs, graph_buckets
+from tr_engine.kv_cache import KVCache
+from tr_engine.tree import sample_tree_mask
+from tr_engine.weights import load_model
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "def add(a, b):\n    return a + b\n" * 2,
+           "Paris is the capital of France; Berlin is the capital of Germany."]
+CONFIGS = [("ar", "adaptive"), ("tr", "adaptive"), ("tr", "2.2.2"), ("pld", "adaptive"), ("hybrid", "adaptive"),
+           ("hybrid", "2.2.2")]
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_factory):
+    return tiny_factory("graphs", vocab_size=320, std=0.5)
+
+
+def rehearsal(engine: Engine) -> StepGraphs:
+    """The engine's steps through uncaptured static buffers: the graph path, minus the capture."""
+    engine.runner = StepGraphs(engine.model, engine.cache,
+                               graph_buckets(BUCKETS, engine.tree.size, engine.cache.capacity), capture=False)
+    return engine.runner
+
+
+def answers(engine: Engine, method: str, max_new_tokens: int = 48) -> list[tuple[list[int], list[int]]]:
+    """Each prompt's tokens and accept lengths. An adaptive tree is pinned to a flat cost of up to 40 tokens: its
+    trees then depend on the matrix alone, not on the clock, so two engines draft alike."""
+    drafter = None
+    if method in ("tr", "hybrid") and engine.tree_spec == "adaptive":
+        drafter = engine.new_drafter(method, cost=CostModel.flat(40), max_tokens=40)
+    out = []
+    for prompt in PROMPTS:
+        g = engine.generate(prompt, max_new_tokens=max_new_tokens, method=method, drafter=drafter).generation
+        out.append((g.token_ids, g.accept_lengths))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("method,tree", CONFIGS)
+def test_static_steps_are_bitwise_the_eager_steps(folder, dtype, method, tree):
+    """Same tokens and same accept lengths step by step (the drafts and every logit's bits agree), with trees padded
+    to their buckets (hybrid's chain on the 81-token tree runs in 96, prompt lookup's 9 in 10)."""
+    eager = Engine.from_pretrained(str(folder), dtype=dtype, max_context=512, tree=tree)
+    static = Engine.from_pretrained(str(folder), dtype=dtype, max_context=512, tree=tree)
+    runner = rehearsal(static)
+    assert answers(static, method) == answers(eager, method)
+    assert runner.counts["graph"] > 0
+    if method != "ar":
+        assert answers(static, "ar") == answers(eager, "ar")
+
+
+def test_padding_rows_leave_the_real_rows_alone(folder):
+    model = load_model(folder, torch.bfloat16)
+    model.set_max_positions(256)
+    cache = KVCache(model.config, 256, torch.bfloat16, "cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (120,), generator=g)
+    model(ids[:100], torch.arange(100), cache.data, 0)
+    mask = sample_tree_mask(11)
+    depth = 100 + mask.sum(dim=1) - 1
+    want = model(ids[100:111], depth, cache.data, 100, tree_mask=mask)
+    runner = StepGraphs(model, cache, (1, 16), capture=False)
+    got = runner(ids[100:111], depth, cache.data, 100, tree_mask=mask)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert runner.counts == {"graph": 1, "eager": 0}
+
+
+def test_steps_past_the_cache_end_and_prefills_run_eagerly(folder):
+    engine = Engine.from_pretrained(str(folder), dtype="float32", max_context=120, tree="2.2.2")
+    eager = Engine.from_pretrained(str(folder), dtype="float32", max_context=120, tree="2.2.2")
+    runner = rehearsal(engine)
+    prompt = "the quick brown fox jumps over the lazy dog"
+    assert engine.generate(prompt, max_new_tokens=60, method="tr").token_ids == \
+        eager.generate(prompt, max_new_tokens=60, method="tr").token_ids
+    assert runner.counts["eager"] >= 2  # the prefill, and the steps whose 81-token bucket no longer fits
+
+
+def test_graphs_are_refused_where_they_cannot_run(folder):
+    with pytest.raises(UserError, match="--cuda-graphs on needs --device cuda"):
+        Engine.from_pretrained(str(folder), cuda_graphs=True)
+    with pytest.raises(UserError, match="cuda_graphs must be"):
+        Engine.from_pretrained(str(folder), cuda_graphs="yes")
+    assert Engine.from_pretrained(str(folder), cuda_graphs=False).runner.__class__.__name__ == "Llama"
+    assert not Engine.from_pretrained(str(folder)).cuda_graphs  # the default on a CPU: off
+
+
+def test_cuda_graphs_flag_on_a_cpu_is_one_line(folder):
+    proc = run_module("tr_engine.generate", "--model", str(folder), "--prompt", "hi", "--cuda-graphs", "on")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "--cuda-graphs on needs --device cuda" in proc.stderr
+    proc = run_module("tr_engine.generate", "--model", str(folder), "--prompt", "hi", "--cuda-graphs", "maybe")
+    assert proc.returncode == 2 and "--cuda-graphs" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_give_the_eager_tokens(folder, dtype):
+    """Captured graphs against the same engine's eager steps (which run the same kernels, minus the capture): each
+    method's tokens and accept lengths agree, every bucket is captured once, and the steps replay graphs."""
+    graphed = Engine.from_pretrained(str(folder), device="cuda", dtype=dtype, max_context=512, cuda_graphs=True)
+    eager = Engine.from_pretrained(str(folder), device="cuda", dtype=dtype, max_context=512, cuda_graphs=False)
+    rehearsal(eager)  # the same static-buffer forwards, uncaptured
+    for method in ("ar", "tr", "pld", "hybrid"):
+        assert answers(graphed, method) == answers(eager, method), method
+    runner = graphed.runner
+    assert isinstance(runner, StepGraphs) and not runner.failures
+    assert runner.counts["graph"] > 10 * len(runner.graphs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_cuda_fp32_methods_emit_the_plain_tokens(folder, cuda_graphs):
+    """Losslessness on the GPU in float32: every method gives plain decoding's tokens."""
+    engine = Engine.from_pretrained(str(folder), device="cuda", dtype="float32", max_context=512,
+                                    cuda_graphs=cuda_graphs)
+    plain = [tokens for tokens, _ in answers(engine, "ar")]
+    for method in ("tr", "pld", "hybrid"):
+        assert [tokens for tokens, _ in answers(engine, method)] == plain, method
