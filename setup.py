@@ -2,6 +2,10 @@
 nvcc is found). Install without build isolation so the build uses the torch already installed:
 
     pip install --no-build-isolation -e .
+
+`make install` builds in place instead (`python setup.py build_ext --inplace`: objects kept under build/, so a changed
+kernel recompiles alone), then installs the package editable with TR_ENGINE_PREBUILT=1, which skips the extension
+(already in the source tree). bench/gpu_check.py builds the same way on a bare GPU machine.
 """
 
 import glob
@@ -40,6 +44,6 @@ setup(
     description="Token Recycling: lossless speculative decoding with no draft model, with C++/CUDA kernels",
     packages=find_packages(include=["tr_engine", "tr_engine.*", "weights_tools", "weights_tools.*"]),
     python_requires=">=3.10",
-    ext_modules=[extension()],
+    ext_modules=[] if os.environ.get("TR_ENGINE_PREBUILT") == "1" else [extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
 )
