@@ -1,8 +1,9 @@
 """Each custom op against its pure-PyTorch reference and the stock-PyTorch way of doing the same thing, side by side
-in one run, at SmolLM2 shapes (CPU). Medians of repeated calls; ratios are what to read (machines are noisy).
-Writes bench/results/kernels_cpu.{json,md}.
+in one run, at a model's shapes (SmolLM2 by default; Vicuna-7B; tiny for a rehearsal), on the CPU or a GPU. Medians
+of repeated calls, timed in alternation; on a GPU every call is synchronised before the clock is read. Ratios are
+what to read (machines are noisy). Writes kernels_<device>[_<shape>].{json,md}.
 
-    python -m bench.kernels [--threads 2] [--reps 30]
+    python -m bench.kernels [--device cpu|cuda] [--shape smollm2|vicuna-7b|tiny] [--threads 2] [--reps 30]
 """
 
 import itertools
@@ -15,32 +16,36 @@ import torch
 import torch.nn.functional as F
 
 from bench.machine import machine_info, machine_line
+from bench.shapes import SHAPES, projections
 from tr_engine import reference
 from tr_engine.cli import ArgumentParser, run
+from tr_engine.cli_args import integer
 from tr_engine.ops import load_ops
 from tr_engine.tree import sample_tree_mask as tree_mask
 
-V, E, L, HQ, HKV, D, K = 49152, 576, 30, 9, 3, 64, 8  # SmolLM2-135M
 TREE_TOKENS = (1, 16, 32, 64, 81, 128)
-F_FFN = 1536
-# One forward's projections (q/k/v and gate/up fused, as the model runs them): 30 layers and the LM head.
-PROJECTIONS = [((HQ + 2 * HKV) * D, E), (E, HQ * D), (2 * F_FFN, E), (E, F_FFN)] * L + [(V, E)]
 MATMUL_ROWS = (1, 4, 8, 12, 16, 32, 81, 512)  # a decode step, draft trees, the 2.2.2 tree, a prefill
 PREFIXES = (128, 512, 2048)
+K = 8  # matrix candidates per token
+
+def dtypes(device: str) -> tuple[torch.dtype, ...]:
+    """What each device's models run in: float32 and bfloat16 on a CPU, float16 and bfloat16 on a GPU."""
+    return (torch.float16, torch.bfloat16) if device.startswith("cuda") else (torch.float32, torch.bfloat16)
 
 
-def attention_cases(ops):
-    """Tree attention at SmolLM2 shapes. stock = what the model does without the op: fold the query heads that share
-    a KV head into rows, `scaled_dot_product_attention` with the boolean [G*T, P+T] mask (built once per forward, so
-    outside the timing), unfold."""
+def attention_cases(ops, c, device):
+    """Tree attention at the shape's heads. stock = what the model does without the op: fold the query heads that
+    share a KV head into rows, `scaled_dot_product_attention` with the boolean [G*T, P+T] mask (built once per
+    forward, so outside the timing), unfold."""
+    HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     G = HQ // HKV
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes(device):
         for P in PREFIXES:
             for T in TREE_TOKENS:
-                kv = torch.randn(2, HKV, P + 160, D).to(dtype)  # one layer's cache, with room past the tree
-                q = torch.randn(T, HQ + 2 * HKV, D).to(dtype)[:, :HQ]  # a strided slice of the fused qkv, as in the model
-                mask = tree_mask(T)
-                folded = torch.cat([torch.ones(T, P, dtype=torch.bool), mask], dim=1).repeat(G, 1)
+                kv = torch.randn(2, HKV, P + 160, D).to(device, dtype)  # one layer's cache, with room past the tree
+                q = torch.randn(T, HQ + 2 * HKV, D).to(device, dtype)[:, :HQ]  # a strided slice of the fused qkv
+                mask = tree_mask(T).to(device)
+                folded = torch.cat([torch.ones(T, P, dtype=torch.bool, device=device), mask], dim=1).repeat(G, 1)
 
                 def stock(q=q, kv=kv, folded=folded, T=T, P=P):
                     qf = q.reshape(T, HKV, G, D).permute(1, 2, 0, 3).reshape(1, HKV, G * T, D)
@@ -56,23 +61,27 @@ def attention_cases(ops):
                                                                                             D**-0.5)}
 
 
-def model_matmul_cases(ops):
+def model_matmul_cases(ops, c, device):
     """All of one forward's projections at T rows, each weight its own tensor (so they stream from memory, as in the
-    model): packed_linear on packed weights, against F.linear (oneDNN/MKL) and, to 16 rows, skinny_linear."""
-    g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        weights = [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for n, k in PROJECTIONS]
-        packed = [ops.pack(w) for w in weights]
+    model): on a CPU packed_linear on packed weights, against F.linear (oneDNN/MKL) and, to 16 rows, skinny_linear;
+    on a GPU skinny_linear against F.linear (cuBLAS), which the GPU engine uses."""
+    g = torch.Generator(device=device).manual_seed(0)  # made where used: a 7B model's weights never cross the bus
+    cpu = device == "cpu"
+    for dtype in dtypes(device):
+        weights = [torch.randn(n, k, generator=g, device=device, dtype=dtype) * 0.05 for n, k in projections(c)]
+        packed = [ops.pack(w) for w in weights] if cpu else None
         name = str(dtype).removeprefix("torch.")
         for T in MATMUL_ROWS:
-            xs = {k: torch.randn(T, k, generator=g).to(dtype) for k in (E, F_FFN)}
+            xs = {k: torch.randn(T, k, generator=g, device=device, dtype=dtype) for _, k in set(projections(c))}
             shape = f"T={T}, {len(weights)} projections ({sum(w.numel() for w in weights) / 1e6:.0f}M weights) {name}"
             stock = lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights]  # noqa: E731
-            yield "packed_linear", shape, {
-                "ours": lambda xs=xs: [ops.packed_linear(xs[w.shape[1]], p.data, p.n) for w, p in zip(weights, packed)],
-                "stock": stock,
-                "reference": lambda xs=xs: [reference.packed_linear(xs[w.shape[1]], p.data, p.n)
-                                            for w, p in zip(weights, packed)]}
+            if cpu:
+                yield "packed_linear", shape, {
+                    "ours": lambda xs=xs: [ops.packed_linear(xs[w.shape[1]], p.data, p.n)
+                                           for w, p in zip(weights, packed)],
+                    "stock": stock,
+                    "reference": lambda xs=xs: [reference.packed_linear(xs[w.shape[1]], p.data, p.n)
+                                                for w, p in zip(weights, packed)]}
             if T <= 16:
                 yield "skinny_linear", shape, {
                     "ours": lambda xs=xs: [ops.skinny_linear(xs[w.shape[1]], w) for w in weights], "stock": stock,
@@ -80,28 +89,34 @@ def model_matmul_cases(ops):
         del weights, packed
 
 
-def median_ms(impls: dict, reps: int) -> dict:
+def median_ms(impls: dict, reps: int, device: str = "cpu") -> dict:
     """Median milliseconds per call of each implementation, timed in alternation (one call of each per round), so a
-    slow spell of a noisy machine hits all of them alike."""
+    slow spell of a noisy machine hits all of them alike. On a GPU the device is synchronised before each clock
+    read, so a call's time is its kernels' (and its launches')."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for fn in impls.values():
         for _ in range(3):
             fn()
     times = {name: [] for name in impls}
     for _ in range(reps):
         for name, fn in impls.items():
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - t0)
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
-def cases(ops):
-    """(op, shape, {implementation: callable}) rows; 'stock' is what one writes without the op."""
-    yield from attention_cases(ops)
+def cases(ops, c, device: str = "cpu"):
+    """(op, shape, {implementation: callable}) rows at the shapes of config `c`; 'stock' is what one writes without
+    the op."""
+    V, L, HKV, D = c.vocab_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    yield from attention_cases(ops, c, device)
     for T in (16, 81, 128):
-        logits = torch.randn(T, V)
-        tokens = torch.randint(0, V, (T,))
-        table = torch.zeros(V, K, dtype=torch.long)
+        logits = torch.randn(T, V, device=device)
+        tokens = torch.randint(0, V, (T,), device=device)
+        table = torch.zeros(V, K, dtype=torch.long, device=device)
 
         def stock(table=table, tokens=tokens, logits=logits):
             table[tokens] = logits.topk(K, dim=-1).indices  # duplicates: undefined winner
@@ -109,66 +124,89 @@ def cases(ops):
         yield "recycle_update_", f"T={T}, V={V}, k={K}", {
             "ours": lambda: ops.recycle_update_(table, tokens, logits), "stock": stock,
             "reference": lambda: reference.recycle_update_(table, tokens, logits)}
+    kv_dtype = dtypes(device)[0]
     for P in (512, 2048):
-        cache = torch.randn(L, 2, HKV, P + 96, D)
-        src = torch.tensor([P + i for i in (1, 9, 30, 55, 70, 78)])
+        cache = torch.randn(L, 2, HKV, P + 96, D).to(device, kv_dtype)
+        src = torch.tensor([P + i for i in (1, 9, 30, 55, 70, 78)], device=device)
 
         def stock(cache=cache, src=src, P=P):
             cache[:, :, :, P + 1 : P + 1 + len(src)] = cache.index_select(3, src)
 
-        yield "compact_kv_", f"6 accepted of 81, prefix {P}, [30, 2, 3, S, 64] fp32", {
-            "ours": lambda: ops.compact_kv_(cache, src, P + 1), "stock": stock,
-            "reference": lambda: reference.compact_kv_(cache, src, P + 1)}
-    for dtype in (torch.float32, torch.bfloat16):
+        yield "compact_kv_", f"6 accepted of 81, prefix {P}, [{L}, 2, {HKV}, S, {D}] {kv_dtype}".replace("torch.", ""), {
+            "ours": lambda cache=cache, src=src, P=P: ops.compact_kv_(cache, src, P + 1), "stock": stock,
+            "reference": lambda cache=cache, src=src, P=P: reference.compact_kv_(cache, src, P + 1)}
+    for dtype in dtypes(device):
         # 1 row: a decode step; 4 and 16: small draft trees (the adaptive tree's sizes on a CPU)
-        for T, (n_out, n_in) in itertools.product((1, 4, 16), ((960, 576), (3072, 576), (576, 1536), (V, 576))):
-            x, w = torch.randn(T, n_in).to(dtype), torch.randn(n_out, n_in).to(dtype)
+        for T, (n_out, n_in) in itertools.product((1, 4, 16), sorted(set(projections(c)))):
+            x = torch.randn(T, n_in, device=device, dtype=dtype)
+            w = torch.randn(n_out, n_in, device=device, dtype=dtype)
             name = str(dtype).removeprefix("torch.")
             yield "skinny_linear", f"{T}x{n_in} @ {n_in}x{n_out} {name}", {
                 "ours": lambda x=x, w=w: ops.skinny_linear(x, w), "stock": lambda x=x, w=w: F.linear(x, w),
                 "reference": lambda x=x, w=w: reference.skinny_linear(x, w)}
-    yield from model_matmul_cases(ops)
+    yield from model_matmul_cases(ops, c, device)
+
+
+def measure(device: str, shape: str, reps: int, only=None, log=print) -> list[dict]:
+    """One row per case: each implementation's median ms and ours against stock and reference."""
+    ops = load_ops("kernels")
+    rows = []
+    with torch.inference_mode():
+        for op, what, impls in cases(ops, SHAPES[shape], device):
+            if only and op not in only:
+                continue
+            reference_fn = impls.pop("reference")  # slow by design: fewer calls, timed on its own
+            ms = {**median_ms(impls, reps, device), **median_ms({"reference": reference_fn}, max(reps // 5, 3), device)}
+            rows.append({"op": op, "shape": what, **{f"{k}_ms": v for k, v in ms.items()},
+                         "vs_stock": ms["stock"] / ms["ours"], "vs_reference": ms["reference"] / ms["ours"]})
+            log(f"{op:16} {what:45} ours {ms['ours']:8.3f} ms  stock {ms['stock']:8.3f} ms  "
+                f"({rows[-1]['vs_stock']:.2f}x)")
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| op | shape | ours ms | stock PyTorch ms | ours vs stock | reference ms |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['op']} | {r['shape']} | {r['ours_ms']:.3f} | {r['stock_ms']:.3f} | {r['vs_stock']:.2f}x | "
+                     f"{r['reference_ms']:.3f} |")
+    return lines
 
 
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--shape", default="smollm2", choices=list(SHAPES))
+    ap.add_argument("--threads", type=integer(1), default=2)
+    ap.add_argument("--reps", type=integer(1), default=30)
     ap.add_argument("--only", nargs="+", metavar="OP", help="benchmark only these ops (e.g. tree_attention)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        from tr_engine.errors import UserError
+
+        raise UserError("--device cuda: this torch build sees no CUDA device; run on a GPU machine or pass --device cpu")
     torch.set_num_threads(args.threads)
-    info = machine_info()
-    ops = load_ops("kernels")
-    rows = []
-    with torch.inference_mode():
-        for op, shape, impls in cases(ops):
-            if args.only and op not in args.only:
-                continue
-            reference_fn = impls.pop("reference")  # slow by design: fewer calls, timed on its own
-            ms = {**median_ms(impls, args.reps), **median_ms({"reference": reference_fn}, max(args.reps // 5, 3))}
-            rows.append({"op": op, "shape": shape, **{f"{k}_ms": v for k, v in ms.items()},
-                         "vs_stock": ms["stock"] / ms["ours"], "vs_reference": ms["reference"] / ms["ours"]})
-            print(f"{op:16} {shape:45} ours {ms['ours']:8.3f} ms  stock {ms['stock']:8.3f} ms  "
-                  f"({rows[-1]['vs_stock']:.2f}x)", flush=True)
-    lines = ["# CPU kernels against stock PyTorch and their references", "",
-             f"Machine: {machine_line(info)}. Median of {args.reps} calls (references: fewer).", "",
-             "| op | shape | ours ms | stock PyTorch ms | ours vs stock | reference ms |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['op']} | {r['shape']} | {r['ours_ms']:.3f} | {r['stock_ms']:.3f} | {r['vs_stock']:.2f}x | "
-                     f"{r['reference_ms']:.3f} |")
+    info = machine_info(args.device)
+    rows = measure(args.device, args.shape, args.reps, args.only, log=lambda line: print(line, flush=True))
+    kind = "CPU" if args.device == "cpu" else "CUDA"
+    lines = [f"# {kind} kernels against stock PyTorch and their references ({args.shape} shapes)", "",
+             f"Machine: {machine_line(info)}. Median of {args.reps} calls (references: fewer)"
+             + (", each synchronised." if args.device == "cuda" else "."), "", *table(rows)]
     lines += ["", "stock: tree attention = `scaled_dot_product_attention` with a boolean mask, the query heads of "
-              "each KV head folded into rows (as the model does without the op); recycle = `topk` + indexed assignment (its duplicate winner is unspecified); compaction = "
-              "`index_select` + copy; skinny_linear and packed_linear = `F.linear` (MKL/oneDNN). The recycle "
-              "reference sorts stably to specify ties exactly, so it is slow by design; packed_linear's reference "
-              "unpacks the weight at every call.",
+              "each KV head folded into rows (as the model does without the op); recycle = `topk` + indexed "
+              "assignment (its duplicate winner is unspecified); compaction = `index_select` + copy; skinny_linear "
+              "and packed_linear = `F.linear` (MKL/oneDNN on a CPU, cuBLAS on a GPU). The recycle reference sorts "
+              "stably to specify ties exactly, so it is slow by design; packed_linear's reference unpacks the weight "
+              "at every call.",
               "", "The single-shape skinny_linear rows re-read one weight that stays in cache between calls, except "
-              "the 49152-row LM head. The \"projections\" rows run all of one forward's weights, each its own tensor, "
-              "so they stream from memory as in a decode step or a verify: the case that matters. The engine uses "
-              "packed_linear for float32 and bfloat16 on a CPU at every row count."]
+              "the LM head. The \"projections\" rows run all of one forward's weights, each its own tensor, so they "
+              "stream from memory as in a decode step or a verify: the case that matters. On a CPU the engine uses "
+              "packed_linear for every dtype and row count; on a GPU, F.linear."]
+    stem = "kernels_cpu" if args.device == "cpu" and args.shape == "smollm2" else f"kernels_{args.device}_{args.shape}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels_cpu.md").write_text("\n".join(lines) + "\n")
-    (args.out / "kernels_cpu.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps({"machine": info, "shape": args.shape, "rows": rows},
+                                                      indent=2) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 from tr_engine.cli import run
 
 
-def run_module(module: str, *args, stdin: str | bytes | None = None, env=None, **kwargs) -> subprocess.CompletedProcess:
+def run_module(module: str, *args, stdin: str | bytes | None = None, env=None, timeout: float = 600,
+               **kwargs) -> subprocess.CompletedProcess:
     """`python -m module args…` in a subprocess; stdin and the output are text unless stdin is bytes."""
     return subprocess.run([sys.executable, "-m", module, *args], input=stdin, capture_output=True,
-                          text=not isinstance(stdin, bytes), timeout=600, env=env, **kwargs)
+                          text=not isinstance(stdin, bytes), timeout=timeout, env=env, **kwargs)
 
 
 def call_main(main, *args, stdin: bytes = b"") -> SimpleNamespace:

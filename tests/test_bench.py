@@ -2,8 +2,9 @@
 
 import json
 
+import pytest
 import torch
-from cli import run_module
+from cli import assert_one_line_error, run_module
 
 
 def test_specbench_two_questions_two_methods(tiny_factory, tmp_path):
@@ -81,3 +82,19 @@ def test_specbench_sampling_uses_one_seed_per_turn_for_every_method(tiny_factory
     assert tokens(again) == tokens(out)  # seeded: the run repeats
     refused = run_module(*args, "--methods", "hf-ar", "--out", str(tmp_path / "x"))
     assert refused.returncode == 2 and "greedy only" in refused.stderr
+
+
+def test_kernels_bench_at_the_tiny_shape(tmp_path):
+    """bench.kernels with a shape and device: every op's row, with the file named after the shape."""
+    proc = run_module("bench.kernels", "--shape", "tiny", "--reps", "1", "--threads", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "kernels_cpu_tiny.json").read_text())["rows"]
+    assert {r["op"] for r in rows} == {"tree_attention", "recycle_update_", "compact_kv_", "skinny_linear",
+                                       "packed_linear"}
+    assert all(r["ours_ms"] > 0 and r["stock_ms"] > 0 and r["reference_ms"] > 0 for r in rows)
+    assert "(tiny shapes)" in (tmp_path / "kernels_cpu_tiny.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: nothing is missing")
+def test_kernels_bench_on_a_missing_gpu_is_one_line(tmp_path):
+    assert_one_line_error(run_module("bench.kernels", "--device", "cuda", "--out", str(tmp_path)), "no CUDA device")

@@ -155,3 +155,21 @@ def test_bin_with_pickled_code_is_refused(tmp_path):
 
     with pytest.raises(ConversionError, match="cannot be loaded safely"):
         bin_to_safetensors(src, tmp_path / "out")
+
+
+def test_random_model_has_the_config_shapes_and_ties_its_head():
+    """What the GPU check measures with: the checkpoint's shapes, random projections, unit norms, a tied head tied."""
+    import dataclasses
+
+    from bench.shapes import SHAPES
+    from tr_engine.weights import random_model
+
+    config = dataclasses.replace(SHAPES["tiny"], tie_word_embeddings=True)
+    model = random_model(config, torch.bfloat16, ops="reference", seed=1)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.dtype == torch.bfloat16
+    w = model.model.layers[0].self_attn.q_proj.weight
+    assert w.shape == (config.num_attention_heads * config.head_dim, config.hidden_size)
+    assert 0.015 < w.float().std().item() < 0.025
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
+    again = random_model(config, torch.bfloat16, ops="reference", seed=1)
+    assert torch.equal(again.model.layers[0].self_attn.q_proj.weight, w)  # seeded

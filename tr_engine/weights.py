@@ -108,6 +108,30 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
+    return _ready(model, dtype, device)
+
+
+def random_model(config: LlamaConfig, dtype: torch.dtype = torch.float32, device="cpu", ops: str = "kernels",
+                 seed: int = 0, std: float = 0.02) -> Llama:
+    """A Llama of this config with random weights (normal, `std`; norms 1) made directly on `device`: what the GPU
+    check measures a Vicuna-7B-shaped model with where no weights can travel. Ready like load_model's."""
+    with torch.device("meta"):
+        model = Llama(config, load_ops(ops))
+    model = model.to(dtype).to_empty(device=device)
+    if config.tie_word_embeddings:  # (after to_empty, which gives each module its own tensor)
+        model.lm_head.weight = model.model.embed_tokens.weight
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied head is one parameter, filled once
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=g)
+    return _ready(model, dtype, device)
+
+
+def _ready(model: Llama, dtype: torch.dtype, device) -> Llama:
+    """Inference mode, fused projections, and on a CPU the packed layout of the matmul kernel."""
     model.requires_grad_(False).eval()
     model.fuse_()
     if model.ops.pack is not None and packs(dtype, device):
