@@ -13,7 +13,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
-    config.addinivalue_line("markers", "slow: loads the 135M-parameter default model")
+    config.addinivalue_line("markers", "slow: loads the 135M-parameter default model, or rehearses a whole benchmark")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -98,8 +98,8 @@ class StepGraphs:
         # Padding rows keep the ids and positions of an earlier step (valid ones: any will do, no real row sees them).
         ids[:T].copy_(input_ids)
         pos[:T].copy_(positions)
-        if tree_mask is not None:  # (a plain step's [[True]] is the eye's)
-            mask.copy_(self.eye[b])
+        mask.copy_(self.eye[b])  # padding rows see themselves only (a plain step's [[True]] is the eye's too)
+        if tree_mask is not None:
             mask[:T, :T].copy_(tree_mask)
         self.start.fill_(start)
 
