@@ -13,7 +13,8 @@ MODEL       ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
 
-.PHONY: install model chat generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-soak cuda-check clean
+.PHONY: install model chat generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-soak cuda-check \
+        gpu-check clean
 
 $(VENV)/.deps: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,6 +78,15 @@ bench-soak: model
 # headers (no CUDA build of torch needed).
 cuda-check: install
 	$(PY) -m pytest -q tests/test_cuda_sources.py
+
+# The GPU check (bench/gpu_check.py): build for this GPU, the CUDA tests, the measurements, in at most 9 minutes; on a
+# bare GPU machine it runs with the system python3 (no venv, no internet, no weights). DEVICE=cpu rehearses it here at
+# tiny shapes (about a minute). Results: $(OUT)/summary.md, results.json, verify_cost.png, log.txt.
+DEVICE ?= cuda
+OUT    ?= bench/out/gpu_check
+GPU_PY  = $(if $(filter cpu,$(DEVICE)),$(PY),$(if $(wildcard $(PY)),$(PY),$(PYTHON)))
+gpu-check: $(if $(filter cpu,$(DEVICE)),install)
+	$(GPU_PY) -m bench.gpu_check --device $(DEVICE) --out "$(OUT)"
 
 clean:
 	rm -rf build *.egg-info tr_engine/_C*.so $(VENV)/.built

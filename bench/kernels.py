@@ -132,7 +132,8 @@ def cases(ops, c, device: str = "cpu"):
         def stock(cache=cache, src=src, P=P):
             cache[:, :, :, P + 1 : P + 1 + len(src)] = cache.index_select(3, src)
 
-        yield "compact_kv_", f"6 accepted of 81, prefix {P}, [{L}, 2, {HKV}, S, {D}] {kv_dtype}".replace("torch.", ""), {
+        what = f"6 accepted of 81, prefix {P}, [{L}, 2, {HKV}, S, {D}] {str(kv_dtype).removeprefix('torch.')}"
+        yield "compact_kv_", what, {
             "ours": lambda cache=cache, src=src, P=P: ops.compact_kv_(cache, src, P + 1), "stock": stock,
             "reference": lambda cache=cache, src=src, P=P: reference.compact_kv_(cache, src, P + 1)}
     for dtype in dtypes(device):
@@ -184,7 +185,8 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         from tr_engine.errors import UserError
 
-        raise UserError("--device cuda: this torch build sees no CUDA device; run on a GPU machine or pass --device cpu")
+        raise UserError("--device cuda: this torch build sees no CUDA device; run on a GPU machine or pass "
+                        "--device cpu")
     torch.set_num_threads(args.threads)
     info = machine_info(args.device)
     rows = measure(args.device, args.shape, args.reps, args.only, log=lambda line: print(line, flush=True))

@@ -19,6 +19,10 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str:
+    """The checkout's short commit (-dirty with uncommitted changes); TR_ENGINE_COMMIT where there is no .git (a
+    working tree copied to a GPU machine)."""
+    if os.environ.get("TR_ENGINE_COMMIT"):
+        return os.environ["TR_ENGINE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent)

@@ -10,7 +10,8 @@ SHAPES = {
                            num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                            rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True),
     "vicuna-7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                             num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=2048),
+                             num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                             max_position_embeddings=2048),
     # The rehearsal's stand-ins: grouped-query heads like SmolLM2's, and one KV head per query head like Vicuna's.
     "tiny": LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),

@@ -78,6 +78,7 @@ FLAGS = {
     "--tree": (st.sampled_from(["adaptive", "2.2.2"]),
                st.one_of(st.sampled_from(["", "no-such-tree.json", "/", "a\0b"]), junk)),
     "--matrix-k": (st.integers(1, 16).map(str), numbers),
+    "--cuda-graphs": (st.just("off"), st.one_of(st.just("on"), junk)),  # on: refused on a CPU, in one line
     "--temperature": (st.sampled_from(["0", "1e-45", "0.7", "1", "1e300"]),
                       st.one_of(st.sampled_from(["inf", "nan", "-1"]), numbers)),
     "--top-k": (st.integers(0, 500).map(str), numbers),
