@@ -20,20 +20,23 @@ from tr_engine.engine import Engine
 TREE_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 81, 96, 128)
 
 
-def plot(path: Path, curves: dict[int, dict[int, float]], title: str) -> None:
+def plot(path: Path, curves: dict[str, dict], title: str, ylabel: str = "cost / plain decode step") -> None:
+    """Cost curves (label -> {tree tokens: relative cost}) against a plain step's 1.0; a label with "eager" in it
+    is dashed (bench.gpu_check draws eager and graphed steps side by side)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    for prefix, costs in curves.items():
-        ax.plot(list(costs), list(costs.values()), marker="o", label=f"prefix {prefix}")
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    fig, ax = plt.subplots(figsize=(6.8, 4.4), dpi=120)
+    for label, costs in curves.items():
+        ax.plot([int(T) for T in costs], list(costs.values()), marker="o", ms=3, label=label,
+                ls="--" if "eager" in label else "-")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("tokens in the verify forward (tree size)")
-    ax.set_ylabel("cost / plain decode step")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend()
+    ax.legend(fontsize=7 if len(curves) > 4 else 9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
@@ -71,7 +74,8 @@ def main(argv=None) -> int:
         (stem.with_suffix(".json")).write_text(json.dumps(
             {"machine": info, "model": args.model, "dtype": dtype, "seconds": seconds, "relative": curves},
             indent=2) + "\n")
-        plot(stem.with_suffix(".png"), curves, f"{args.model} {dtype}: verify forward / plain step")
+        plot(stem.with_suffix(".png"), {f"prefix {p}": c for p, c in curves.items()},
+             f"{args.model} {dtype}: verify forward / plain step")
         print("\n".join(lines), flush=True)
     return 0
 

@@ -614,26 +614,10 @@ def plot(path: Path, stages: dict) -> None:
         for dtype, row in (r.get("dtypes") or {}).items():
             for mode in ("eager", "graphs"):
                 curves[f"{r['shape']} {dtype} {mode}"] = row[mode]["relative"][str(HEADLINE_PREFIX)]
-    if not curves:
-        return
-    import matplotlib
+    if curves:
+        from bench.forward_cost import plot as plot_curves
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for label, rel in curves.items():
-        ax.plot([int(T) for T in rel], list(rel.values()), marker="o", ms=3, label=label,
-                ls="-" if "graphs" in label else "--")
-    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("tokens in the verify forward")
-    ax.set_ylabel(f"cost / plain decode step (prefix {HEADLINE_PREFIX})")
-    ax.set_title("Verify cost by tree size", fontsize=10)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+        plot_curves(path, curves, "Verify cost by tree size", f"cost / plain decode step (prefix {HEADLINE_PREFIX})")
 
 
 def main(argv=None) -> int:
