@@ -35,8 +35,9 @@ def test_the_rehearsal_runs_every_stage(rehearsal):
         for mode in ("eager", "graphs"):
             assert row[mode]["plain_ms"] > 0 and 0 < row[mode]["floor_share"]
             assert set(row[mode]["relative"]["1024"]) == {str(T) for T in (1, 2, 4, 8, 16, 32, 48, 64, 80, 81, 96, 128)}
-    for mode in ("eager", "graphs"):
-        assert all(r["identical"] for r in stages["methods"]["results"][mode].values())
+    methods = stages["methods"]["results"]
+    assert set(methods) == {"eager", "graphs", "graphs bfloat16"}  # bf16 is exact on a CPU: required, not reported
+    assert all(r["identical"] and r["answers"] == 4 for rows in methods.values() for r in rows.values())
     assert {r["op"] for r in stages["kernels"]["results"]["tiny"]} >= {"tree_attention", "recycle_update_",
                                                                      "compact_kv_", "skinny_linear", "packed_linear"}
     assert stages["projection"]["results"]["rows"]
