@@ -15,6 +15,7 @@ VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 80, 81, 96, 128)
 PREFIXES = (512, 1024, 2048)
 HEADLINE_PREFIX, HEADLINE_TREE = 1024, 81  # the paper's tree, at a typical conversation's length
 
+
 class Stage:
     """What a stage works with: the device, the work folder the stages share, and its skipped/failures lists."""
 
@@ -185,7 +186,7 @@ def stage_steps(s: Stage, shape: str) -> dict:
 
     measured = shape if s.gpu else STAND_INS[shape]
     config = SHAPES[measured]
-    bw = (s.load("bandwidth") or {}).get("results", {}).get("copy_gb_s")
+    bw = ((s.load("bandwidth") or {}).get("results") or {}).get("copy_gb_s")  # (None: that stage failed)
     if bw is None:
         s.skipped.append("the bandwidth floor: the bandwidth stage did not run")
     dtypes = (torch.float16, torch.bfloat16) if s.gpu else (torch.bfloat16,)
