@@ -289,8 +289,7 @@ def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_
             r = engine.generate(messages, max_new_tokens, method="tr" if method == "tr-cold" else method, **sampled)
     finally:
         if saved is not None:
-            engine.matrix.table.copy_(saved[0])
-            engine.matrix.confidence.copy_(saved[1])
+            engine.matrix.copy_(*saved)
     g = r.generation
     return {"token_ids": r.token_ids, "text": r.text, "new_tokens": len(g.token_ids), "steps": g.steps,
             "accept_lengths": g.accept_lengths, "mat": r.mean_accepted, "verify_tokens": g.verify_tokens,

@@ -282,3 +282,32 @@ def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, t
     engine.save_matrix(tmp_path / "m.pt")  # the matrix travels with its confidences (the adaptive tree reads them)
     again.load_matrix(tmp_path / "m.pt")
     assert engine.matrix.confidence.any() and torch.equal(again.matrix.confidence, engine.matrix.confidence)
+
+
+@pytest.mark.parametrize("kind", ["tr", "hybrid"])
+def test_a_mirrored_matrix_plans_the_same_trees(tiny, kind):
+    """On a GPU the adaptive tree reads its rows from a CPU mirror of the matrix (each read of device memory would be
+    a sync, hundreds a step). Forced on here, the mirror must plan the very same trees and stay equal to the matrix,
+    also after a cold start and a whole-matrix copy."""
+    def make():
+        matrix = RecyclingMatrix(tiny.config.vocab_size, 8)
+        tr = TokenRecycling(matrix, load_tree("2.2.2"), AdaptiveTrees(FREE, max_tokens=16, pinned=True))
+        return Hybrid(tr, PromptLookup("cpu", length=6)) if kind == "hybrid" else tr
+
+    device, mirrored = make(), make()
+    mirrored.matrix.mirrored = True
+    g = torch.Generator().manual_seed(9)
+    for i in range(6):
+        prompt = torch.randint(0, 300, (6,), generator=g).tolist() * 3
+        a, b = generate(tiny, device, prompt, 20), generate(tiny, mirrored, prompt, 20)
+        assert (a.token_ids, a.accept_lengths, a.verify_tokens) == (b.token_ids, b.accept_lengths, b.verify_tokens)
+        table, confidence = mirrored.matrix.host()
+        assert table is not mirrored.matrix.table
+        assert torch.equal(table, mirrored.matrix.table) and torch.equal(confidence, mirrored.matrix.confidence)
+    assert max(a.verify_tokens) > 8  # trees of many nodes were planned from the mirror
+    m = mirrored.matrix
+    saved = m.table.clone(), m.confidence.clone()
+    m.clear_()
+    assert not m.host()[0].any() and not m.host()[1].any()
+    m.copy_(*saved)
+    assert torch.equal(m.host()[0], saved[0]) and torch.equal(m.host()[1], saved[1])

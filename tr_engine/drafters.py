@@ -38,8 +38,8 @@ class TokenRecycling:
     def plan(self, history: list[int], chain: list[int] = (), chain_values: list[float] = ()) -> tuple[DraftTree, int]:
         """The adaptive tree for this step (from the root's candidates in the matrix) and the chain tokens to add."""
         self._prefix = len(history)
-        return self.adaptive.plan(self.matrix.table, self.matrix.confidence, history[-1], len(history), chain,
-                                  chain_values)
+        table, confidence = self.matrix.host()  # (on a GPU a CPU mirror: the plan reads many rows)
+        return self.adaptive.plan(table, confidence, history[-1], len(history), chain, chain_values)
 
     def draft(self, history: list[int], tree: DraftTree) -> Draft:
         self._root = history[-1]
@@ -48,9 +48,9 @@ class TokenRecycling:
 
     def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int], seconds: float = 0.0) -> None:
         if self.adaptive is not None:  # how the committed path fared in the rows that drafted it, before recycling
-            table = self.matrix.table
+            table, confidence = self.matrix.host()
             path = torch.tensor([self._root] + committed[:-1], device=table.device)
-            self.adaptive.observe(table[path].tolist(), self.matrix.confidence[path].tolist(), committed)
+            self.adaptive.observe(table[path].tolist(), confidence[path].tolist(), committed)
             if seconds > 0.0:
                 self.adaptive.observe_step(draft.tree.size, self._prefix, seconds)
         self.matrix.recycle_(draft.tokens, logits)

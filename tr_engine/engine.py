@@ -230,8 +230,7 @@ class Engine:
         if loaded.k != self.matrix.k:
             raise MatrixFileError(f"{path} keeps {loaded.k} candidates per token but --matrix-k is {self.matrix.k}; "
                                   "pass the matching --matrix-k or use another --matrix file")
-        self.matrix.table.copy_(loaded.table)
-        self.matrix.confidence.copy_(loaded.confidence)
+        self.matrix.copy_(loaded.table, loaded.confidence)
 
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
                  method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False,

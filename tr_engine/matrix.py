@@ -32,6 +32,10 @@ class RecyclingMatrix:
         self.table = torch.zeros(vocab_size, k, dtype=torch.long, device=device)  # [V, k] token ids
         self.confidence = torch.zeros(vocab_size, k, dtype=torch.float16, device=device)  # [V, k]
         self.update = update
+        # On a GPU the adaptive tree reads hundreds of rows a step on the host; each read of device memory would be a
+        # sync, so it reads a CPU mirror that recycle_ keeps current instead (host()).
+        self.mirrored = self.table.device.type != "cpu"
+        self._host: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def k(self) -> int:
@@ -56,11 +60,30 @@ class RecyclingMatrix:
             where = torch.tensor(last, device=tokens.device)
             tokens, logits = tokens[where], logits[where]
         self.confidence[tokens] = logits.gather(1, self.table[tokens]).float().softmax(dim=-1).half()
+        if self._host is not None:  # the rows just written, to the mirror: one small copy, not one per read
+            rows = torch.tensor([ids[i] for i in last])
+            self._host[0][rows] = self.table[tokens].cpu()
+            self._host[1][rows] = self.confidence[tokens].cpu()
+
+    def host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table, confidence) for reading on the host: the tensors themselves on a CPU, else the CPU mirror."""
+        if not self.mirrored:
+            return self.table, self.confidence
+        if self._host is None:
+            self._host = (self.table.to("cpu", copy=True), self.confidence.to("cpu", copy=True))
+        return self._host
+
+    def copy_(self, table: torch.Tensor, confidence: torch.Tensor) -> None:
+        """Replace the whole matrix (a loaded or saved state), mirror included."""
+        self.table.copy_(table)
+        self.confidence.copy_(confidence)
+        self._host = None
 
     def clear_(self) -> None:
         """Back to the state of a new matrix (a cold start)."""
         self.table.zero_()
         self.confidence.zero_()
+        self._host = None
 
     def seed_(self, prompt_ids: list[int], logits: torch.Tensor) -> None:
         """Seed from a prefill: each prompt token's row <- the top-k of the logits at its position."""
