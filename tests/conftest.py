@@ -2,6 +2,7 @@
 before pytest runs, or here on first use), and Hugging Face `transformers` as the reference implementation."""
 
 import os
+import signal
 
 import pytest
 import torch
@@ -9,6 +10,10 @@ import torch
 from weights_tools.tiny_llama import write_tiny_llama
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Started in the background of a shell without job control, this process inherits SIGINT ignored, and Python then
+# never raises KeyboardInterrupt (nor do the commands the tests start): the Ctrl-C tests need the normal handler.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config):
