@@ -98,7 +98,7 @@ class Engine:
         if tree != ADAPTIVE and self.tree.size >= self.cache.capacity:  # near the end a tree is cut to fit; not all
             raise InvalidValue(f"the draft tree verifies {self.tree.size} tokens a step but the cache holds only "
                                f"{self.cache.capacity}; use a smaller --tree or raise --max-context")
-        # What the decode loops run their forwards through: the model, or on a GPU its CUDA graphs (tr_engine/graphs.py).
+        # What the decode loops run their forwards through: the model, or on a GPU its CUDA graphs (graphs.py).
         self.cuda_graphs = check_cuda_graphs(cuda_graphs, model.device, ops)
         self.runner = model
         if self.cuda_graphs:
