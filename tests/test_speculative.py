@@ -13,7 +13,7 @@ from tr_engine.drafters import Draft, PromptLookup, TokenRecycling
 from tr_engine.engine import shared_prefix
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
-from tr_engine.speculative import accept, speculative_generate
+from tr_engine.speculative import accept, speculative_generate, token_recycling_reference
 from tr_engine.tree import build_tree, chain_tree, load_tree
 from tr_engine.weights import load_model
 
@@ -279,3 +279,24 @@ def test_truncate_tree_keeps_a_prefix_that_is_a_tree():
         assert cut.levels == ref.levels
         for name in ("parent", "rank", "depth", "mask"):
             assert torch.equal(getattr(cut, name), getattr(ref, name)), (size, name)
+
+
+@pytest.mark.parametrize("tree_name", ["2.2.2", "wide", "chain"])
+def test_the_reference_loop_emits_what_speculative_steps_does(tiny, tree_name):
+    """token_recycling_reference, the algorithm box a student reads first, against the engine's loop: the same tokens
+    on every prompt, EOS and length stops included, and the same matrix after (every step recycled alike)."""
+    g = torch.Generator().manual_seed(11)
+    tree = TREES[tree_name]()
+    ours, theirs = RecyclingMatrix(tiny.config.vocab_size, 8), RecyclingMatrix(tiny.config.vocab_size, 8)
+    accepted = 0
+    for i in range(20):
+        prompt = torch.randint(0, 300, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g).tolist() * 2
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        eos = (run(tiny, "ar", prompt, n).token_ids[n // 2],) if i % 3 == 0 else ()
+        engine = run(tiny, "tr", prompt, n, eos, tree, matrix=theirs)
+        cache = KVCache(tiny.config, 512, torch.float64, "cpu")
+        got = token_recycling_reference(tiny, cache, prompt, ours, tree, n, eos, reference.compact_kv_)
+        assert got == engine.token_ids, i
+        accepted += sum(a > 1 for a in engine.accept_lengths)
+    assert torch.equal(ours.table, theirs.table) and torch.equal(ours.confidence, theirs.confidence)
+    assert accepted >= 5  # drafts were accepted, so accept and compact were exercised

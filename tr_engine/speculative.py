@@ -7,6 +7,11 @@ sample there instead of its argmax (accept_sampled; tr_engine/sampling.py says w
 distribution, and tests/test_sampling.py tests it).
 
 Cache invariant: slots 0..L-1 hold every committed token but the last one (the root of the next step).
+
+Read token_recycling_reference first: the whole algorithm in one function (the paper's static tree, greedy), with
+the matrix, the model and the ops called directly. speculative_steps below is the same loop for every drafter (the
+adaptive tree, prompt lookup, hybrid), with sampling, streaming, exact stopping and per-phase timing;
+tests/test_speculative.py holds the two to the same tokens.
 """
 
 import time
@@ -19,6 +24,37 @@ from tr_engine.kv_cache import KVCache
 from tr_engine.model import Llama
 from tr_engine.sampling import Sampler
 from tr_engine.tree import truncate_tree
+
+
+@torch.inference_mode()
+def token_recycling_reference(model: Llama, cache: KVCache, prompt_ids: list[int], matrix, tree, max_new_tokens: int,
+                              eos_ids: tuple[int, ...], compact_kv_) -> list[int]:
+    """Token Recycling, greedy, with a static tree: the paper's algorithm box and nothing else. `matrix` is a
+    RecyclingMatrix (kept across calls: hot start), `tree` a DraftTree on the cache's device. Returns the new ids."""
+    cache.check_room(len(prompt_ids) + max_new_tokens + tree.size)  # (no cutting the tree near the cache's end)
+    out = [int(prefill(model, cache, prompt_ids).argmax())]  # the prompt's K/V cached; the first token
+    while len(out) < max_new_tokens and not any(t in eos_ids for t in out):
+        L = cache.length  # the root (the last token) goes to slot L, node i to slot L + i
+        # retrieve: the tree's tokens from the matrix, breadth-first from the root: node (.., r) = rank r of its parent
+        tokens = matrix.retrieve(torch.tensor(out[-1], device=cache.data.device), tree)  # [n+1], the root first
+        # verify: one forward over every node, each attending to the cache and to its ancestors
+        logits = model(tokens, L + tree.depth, cache.data, L, tree_mask=tree.mask)  # [n+1, V]
+        # accept: from the root, descend to the child that holds the model's own choice, while there is one; then
+        # the model's choice at the last accepted node (the bonus token)
+        predicted, drafted = logits.argmax(dim=-1).tolist(), tokens.tolist()
+        path, node = [], 0
+        while (child := next((c for c in tree.children[node] if drafted[c] == predicted[node]), None)) is not None:
+            path.append(child)
+            node = child
+        # compact: the accepted nodes' K/V move next to the root's; the rest of the tree is forgotten
+        if path:
+            compact_kv_(cache.data, torch.tensor([L + i for i in path], device=cache.data.device), L + 1)
+        cache.length = L + 1 + len(path)
+        # recycle: every node's top-k candidates become its token's row of the matrix (the last node wins)
+        matrix.recycle_(tokens, logits)
+        out += [drafted[i] for i in path] + [predicted[node]]
+    stop = next((i + 1 for i, t in enumerate(out) if t in eos_ids), len(out))  # nothing after an EOS
+    return out[: min(stop, max_new_tokens)]
 
 
 def verify(model: Llama, cache: KVCache, draft: Draft) -> torch.Tensor:
