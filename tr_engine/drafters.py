@@ -2,12 +2,17 @@
 
 All of them share verify, accept and compact (tr_engine/speculative.py). Token Recycling reads its drafts from the
 recycling matrix and learns from every verify; prompt lookup copies the continuation of the latest earlier match of
-the last few tokens, as a chain; hybrid drafting merges the two into one tree. After each verify a drafter observes
-the step: the logits at every node, the tokens committed (the greedy continuation) and the seconds the step took
-(drafting to compaction), which the adaptive tree prices its sizes by.
+the last few tokens, as a chain; hybrid drafting merges the two into one tree.
+
+A drafter has three calls, one per phase of the loop that is its own (tr_engine/speculative.py):
+- propose(history) -> Draft: retrieve, the tree and its tokens;
+- learn(draft, committed, seconds): what the step teaches the planner: which candidates came true, and what the
+  step cost (drafting to compaction), which the adaptive tree prices its sizes by;
+- recycle(draft, logits): every node's top-k into the matrix.
+Everything a step's later calls need from its proposal travels in the Draft, never on the drafter.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -20,6 +25,9 @@ from tr_engine.tree import DraftTree, chain_tree, graft_chain
 class Draft:
     tree: DraftTree
     tokens: torch.Tensor  # [tree.size] int64 on the model's device, the root first
+    root: int = 0  # the root's token: the last one committed
+    prefix: int = 0  # tokens before this step (the context so far)
+    chain: list[int] = field(default_factory=list)  # the chain prompt lookup found (hybrid), before any cut
 
 
 class TokenRecycling:
@@ -30,29 +38,28 @@ class TokenRecycling:
 
     def __init__(self, matrix: RecyclingMatrix, tree: DraftTree, adaptive: AdaptiveTrees | None = None):
         self.matrix, self.tree, self.adaptive = matrix, tree.to(matrix.table.device), adaptive
-        self._root, self._prefix = None, 0
 
     def propose(self, history: list[int]) -> Draft:
         return self.draft(history, self.plan(history)[0] if self.adaptive else self.tree)
 
     def plan(self, history: list[int], chain: list[int] = (), chain_values: list[float] = ()) -> tuple[DraftTree, int]:
         """The adaptive tree for this step (from the root's candidates in the matrix) and the chain tokens to add."""
-        self._prefix = len(history)
         table, confidence = self.matrix.host()  # (on a GPU a CPU mirror: the plan reads many rows)
         return self.adaptive.plan(table, confidence, history[-1], len(history), chain, chain_values)
 
     def draft(self, history: list[int], tree: DraftTree) -> Draft:
-        self._root = history[-1]
-        root = torch.tensor(self._root, device=self.matrix.table.device)
-        return Draft(tree, self.matrix.retrieve(root, tree))
+        root = torch.tensor(history[-1], device=self.matrix.table.device)
+        return Draft(tree, self.matrix.retrieve(root, tree), root=history[-1], prefix=len(history))
 
-    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int], seconds: float = 0.0) -> None:
-        if self.adaptive is not None:  # how the committed path fared in the rows that drafted it, before recycling
+    def learn(self, draft: Draft, committed: list[int], seconds: float = 0.0) -> None:
+        if self.adaptive is not None:  # how the committed path fared in the rows that drafted it (before recycling)
             table, confidence = self.matrix.host()
-            path = torch.tensor([self._root] + committed[:-1], device=table.device)
+            path = torch.tensor([draft.root] + committed[:-1], device=table.device)
             self.adaptive.observe(table[path].tolist(), confidence[path].tolist(), committed)
             if seconds > 0.0:
-                self.adaptive.observe_step(draft.tree.size, self._prefix, seconds)
+                self.adaptive.observe_step(draft.tree.size, draft.prefix, seconds)
+
+    def recycle(self, draft: Draft, logits: torch.Tensor) -> None:
         self.matrix.recycle_(draft.tokens, logits)
 
 
@@ -69,7 +76,7 @@ class PromptLookup:
     def propose(self, history: list[int]) -> Draft:
         draft = self.lookup(history)
         tokens = torch.tensor([history[-1]] + draft, dtype=torch.long, device=self.device)
-        return Draft(self.chains[len(draft)], tokens)
+        return Draft(self.chains[len(draft)], tokens, root=history[-1], prefix=len(history))
 
     def lookup(self, history: list[int]) -> list[int]:
         for n in range(min(self.max_ngram, len(history) - 1), 0, -1):
@@ -79,8 +86,11 @@ class PromptLookup:
                     return history[start + n : start + n + self.length]
         return []
 
-    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int], seconds: float = 0.0) -> None:
-        pass
+    def learn(self, draft: Draft, committed: list[int], seconds: float = 0.0) -> None:
+        pass  # nothing to learn: the text is the draft
+
+    def recycle(self, draft: Draft, logits: torch.Tensor) -> None:
+        pass  # no matrix
 
 
 class Hybrid:
@@ -94,7 +104,6 @@ class Hybrid:
     def __init__(self, tr: TokenRecycling, lookup: PromptLookup):
         self.tr, self.lookup = tr, lookup
         self.chain_stats = ChainStats(lookup.length)
-        self._chain: list[int] = []
         self._grafted: dict[tuple, DraftTree] = {}
 
     @property
@@ -106,13 +115,13 @@ class Hybrid:
         return self.tr.matrix
 
     def propose(self, history: list[int]) -> Draft:
-        chain = self._chain = self.lookup.lookup(history)
+        chain = found = self.lookup.lookup(history)
         if self.tr.adaptive is not None:
             tree, m = self.tr.plan(history, chain, self.chain_stats.values(len(chain)))
             chain = chain[:m]
         else:
             tree = self.tr.tree
-        draft = self.tr.draft(history, tree)
+        draft = replace(self.tr.draft(history, tree), chain=found)
         if not chain:
             return draft
         tokens = draft.tokens.tolist()
@@ -131,9 +140,12 @@ class Hybrid:
                 self._grafted.clear()
             grafted = self._grafted[key] = graft_chain(tree, node, len(chain) - j)
         rest = torch.tensor(chain[j:], dtype=torch.long, device=draft.tokens.device)
-        return Draft(grafted, torch.cat([draft.tokens, rest]))
+        return replace(draft, tree=grafted, tokens=torch.cat([draft.tokens, rest]))
 
-    def observe(self, draft: Draft, logits: torch.Tensor, committed: list[int], seconds: float = 0.0) -> None:
-        if self._chain:
-            self.chain_stats.observe(self._chain, committed)
-        self.tr.observe(draft, logits, committed, seconds)
+    def learn(self, draft: Draft, committed: list[int], seconds: float = 0.0) -> None:
+        if draft.chain:
+            self.chain_stats.observe(draft.chain, committed)
+        self.tr.learn(draft, committed, seconds)
+
+    def recycle(self, draft: Draft, logits: torch.Tensor) -> None:
+        self.tr.recycle(draft, logits)

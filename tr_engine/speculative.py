@@ -15,6 +15,7 @@ tests/test_speculative.py holds the two to the same tokens.
 """
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -101,7 +102,7 @@ def fits(draft: Draft, cache: KVCache) -> Draft:
     room = cache.capacity - cache.length
     if draft.tree.size <= room:
         return draft
-    return Draft(truncate_tree(draft.tree, room), draft.tokens[:room])
+    return replace(draft, tree=truncate_tree(draft.tree, room), tokens=draft.tokens[:room])
 
 
 def compact(cache: KVCache, path: list[int], compact_kv_) -> None:
@@ -111,6 +112,47 @@ def compact(cache: KVCache, path: list[int], compact_kv_) -> None:
         src = torch.tensor([L + i for i in path], device=cache.data.device)
         compact_kv_(cache.data, src, L + 1)
     cache.length = L + 1 + len(path)
+
+
+PHASES = ("retrieve", "verify", "accept", "compact", "recycle")
+
+
+class PhaseClock:
+    """Seconds per phase of the loop, summed over its steps. On a GPU these host clocks see launches only, except
+    accept's, whose host sync absorbs the wait for the verify."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    def start(self) -> None:
+        self.step_start = self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> float:
+        """End `phase` now; returns the seconds since the step started."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.last
+        self.last = now
+        return now - self.step_start
+
+
+def prefill_and_seed(model: Llama, cache: KVCache, ids: list[int], seed_matrix=None) -> torch.Tensor:
+    """Prefill `ids`; with `seed_matrix(ids, logits)`, hand it every position's logits (the matrix's prompt seeding).
+    Returns the last position's logits [V]."""
+    if seed_matrix is None:
+        return prefill(model, cache, ids)
+    logits = prefill(model, cache, ids, all_logits=True)  # [T, V]
+    seed_matrix(ids, logits)
+    return logits[-1]
+
+
+def stop(committed: list[int], done: int, max_new_tokens: int, eos_ids: tuple[int, ...]) -> tuple[list[int], bool]:
+    """Exact stopping: a step's committed tokens cut after an EOS and at max_new_tokens (`done` already out), and
+    whether the generation ends with them."""
+    committed = committed[: max_new_tokens - done]
+    eos_at = next((i for i, t in enumerate(committed) if t in eos_ids), None)
+    if eos_at is not None:
+        committed = committed[: eos_at + 1]
+    return committed, eos_at is not None or done + len(committed) >= max_new_tokens
 
 
 def speculative_steps(
@@ -128,61 +170,44 @@ def speculative_steps(
     or, with `sampler`, sampled. `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every
     prefilled position (Token Recycling's optional prompt seeding). Returns the Generation."""
     new = uncached(cache, context_ids)
-    # The same room as plain decoding: near the end of the cache a draft is cut to the slots left (fits below).
+    # The same room as plain decoding: near the end of the cache a draft is cut to the slots left (fits).
     cache.check_room(len(new) + max_new_tokens, "the prompt plus --max-new-tokens")
     t0 = time.perf_counter()
-    if seed_matrix is not None:
-        logits_all = prefill(model, cache, new, all_logits=True)  # [T, V]
-        seed_matrix(new, logits_all)
-        first = logits_all[-1]
-    else:
-        first = prefill(model, cache, new)
+    first = prefill_and_seed(model, cache, new, seed_matrix)
     t1 = time.perf_counter()
     with torch.inference_mode():
         out = [int(first.argmax()) if sampler is None else sampler.draw(first, 0)]
     yield list(out)
-    history = list(context_ids) + out
-    accept_lengths, verify_tokens = [], []
-    # Seconds per phase. On a GPU these host clocks only see launches, except accept's sync, which absorbs the wait.
-    phase_s = dict.fromkeys(("retrieve", "verify", "accept", "compact", "recycle"), 0.0)
-    clock = time.perf_counter
+    history, accept_lengths, verify_tokens, clock = list(context_ids) + out, [], [], PhaseClock()
     finished = out[0] in eos_ids or max_new_tokens == 1
     while not finished:
         with torch.inference_mode():
-            ta = clock()
-            draft = fits(drafter.propose(history), cache)  # retrieve
-            tb = clock()
-            logits = verify(model, cache, draft)  # verify
-            tc = clock()
+            clock.start()
+            draft = fits(drafter.propose(history), cache)
+            clock.lap("retrieve")
+            logits = verify(model, cache, draft)
+            clock.lap("verify")
             if sampler is None:
-                path, committed = accept(draft, logits)  # accept
+                path, committed = accept(draft, logits)
             else:
                 path, committed = accept_sampled(draft, logits, sampler, len(out))
-            td = clock()
+            clock.lap("accept")
             compact(cache, path, compact_kv_)
-            te = clock()
-            drafter.observe(draft, logits, committed, te - ta)  # recycle (and learn, the step's time too)
-            tf = clock()
-        for name, dt in zip(phase_s, (tb - ta, tc - tb, td - tc, te - td, tf - te)):
-            phase_s[name] += dt
-        # Exact stopping: nothing after an EOS, never more than max_new_tokens.
-        committed = committed[: max_new_tokens - len(out)]
-        eos_at = next((i for i, t in enumerate(committed) if t in eos_ids), None)
-        if eos_at is not None:
-            committed = committed[: eos_at + 1]
+            drafter.learn(draft, committed, clock.lap("compact"))  # (the adaptive tree's statistics and step times)
+            drafter.recycle(draft, logits)
+            clock.lap("recycle")
+        committed, finished = stop(committed, len(out), max_new_tokens, eos_ids)
         out += committed
         history += committed
         accept_lengths.append(len(committed))
         verify_tokens.append(draft.tree.size)
         yield committed
-        finished = eos_at is not None or len(out) >= max_new_tokens
-    t2 = time.perf_counter()
     # A step may have cached accepted tokens past an EOS or max_new_tokens; the cache keeps only the sequence,
     # every committed token but the last (the invariant above).
     cache.length = min(cache.length, len(context_ids) + len(out) - 1)
-    finish = "eos" if out[-1] in eos_ids else "length"
-    return Generation(out, finish, len(new), t1 - t0, t2 - t1, len(accept_lengths), accept_lengths, phase_s,
-                      verify_tokens)
+    return Generation(token_ids=out, finish_reason="eos" if out[-1] in eos_ids else "length", prompt_tokens=len(new),
+                      prefill_s=t1 - t0, decode_s=time.perf_counter() - t1, steps=len(accept_lengths),
+                      accept_lengths=accept_lengths, phase_s=clock.seconds, verify_tokens=verify_tokens)
 
 
 def speculative_generate(model, cache, context_ids, drafter, max_new_tokens, eos_ids, compact_kv_,
