@@ -148,15 +148,15 @@ def stage_bandwidth(s: Stage) -> dict:
     bf16 matrix product's rate (the prefill's), on random data, medians of timed repeats."""
     import torch
 
+    from bench.machine import copy_bandwidth
+
     n_bytes = 2**31 if s.gpu else 2**27
-    src = torch.randn(n_bytes // 4, device=s.device)
-    dst = torch.empty_like(src)
-    copy_s = _median_s(lambda: dst.copy_(src), 20 if s.gpu else 5, s)
+    copy_gb_s = copy_bandwidth(s.device, n_bytes, 20 if s.gpu else 5)
     n = 8192 if s.gpu else 512
     a = torch.randn(n, n, device=s.device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=s.device, dtype=torch.bfloat16)
     mm_s = _median_s(lambda: a @ b, 20 if s.gpu else 3, s)
-    return {"copy_gb_s": round(2 * n_bytes / copy_s / 1e9, 1), "copy_bytes": n_bytes,
+    return {"copy_gb_s": round(copy_gb_s, 1), "copy_bytes": n_bytes,
             "bf16_matmul_tflops": round(2 * n**3 / mm_s / 1e12, 2), "matmul_n": n}
 
 

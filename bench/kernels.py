@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.machine import machine_info, machine_line
+from bench.machine import copy_bandwidth, machine_info, machine_line
 from bench.shapes import SHAPES, projections
 from tr_engine import reference
 from tr_engine.cli import ArgumentParser, run
@@ -54,7 +54,8 @@ def attention_cases(ops, c, device):
                     return o.view(HKV, G, T, D).permute(2, 0, 1, 3).reshape(T, HQ * D)
 
                 name = str(dtype).removeprefix("torch.")
-                yield "tree_attention", f"T={T}, prefix {P}, {HQ}q/{HKV}kv heads, D={D} {name}", {
+                moved = dtype.itemsize * (2 * T * HQ * D + 2 * HKV * (P + T) * D)  # q, out; K and V it reads
+                yield "tree_attention", f"T={T}, prefix {P}, {HQ}q/{HKV}kv heads, D={D} {name}", {"bytes": moved,
                     "ours": lambda q=q, kv=kv, mask=mask, P=P: ops.tree_attention(q, kv[0], kv[1], P, mask, D**-0.5),
                     "stock": stock,
                     "reference": lambda q=q, kv=kv, mask=mask, P=P: reference.tree_attention(q, kv[0], kv[1], P, mask,
@@ -74,9 +75,11 @@ def model_matmul_cases(ops, c, device):
         for T in MATMUL_ROWS:
             xs = {k: torch.randn(T, k, generator=g, device=device, dtype=dtype) for _, k in set(projections(c))}
             shape = f"T={T}, {len(weights)} projections ({sum(w.numel() for w in weights) / 1e6:.0f}M weights) {name}"
+            moved = dtype.itemsize * sum(n * k + T * (n + k) for n, k in projections(c))  # weights, x, y
             stock = lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights]  # noqa: E731
             if cpu:
                 yield "packed_linear", shape, {
+                    "bytes": moved,
                     "ours": lambda xs=xs: [ops.packed_linear(xs[w.shape[1]], p.data, p.n)
                                            for w, p in zip(weights, packed)],
                     "stock": stock,
@@ -84,6 +87,7 @@ def model_matmul_cases(ops, c, device):
                                                 for w, p in zip(weights, packed)]}
             if T <= 16:
                 yield "skinny_linear", shape, {
+                    "bytes": moved,
                     "ours": lambda xs=xs: [ops.skinny_linear(xs[w.shape[1]], w) for w in weights], "stock": stock,
                     "reference": lambda xs=xs: [reference.skinny_linear(xs[w.shape[1]], w) for w in weights]}
         del weights, packed
@@ -109,8 +113,8 @@ def median_ms(impls: dict, reps: int, device: str = "cpu") -> dict:
 
 
 def cases(ops, c, device: str = "cpu"):
-    """(op, shape, {implementation: callable}) rows at the shapes of config `c`; 'stock' is what one writes without
-    the op."""
+    """(op, shape, {implementation: callable, "bytes": the fewest bytes a call must move}) rows at the shapes of
+    config `c`; 'stock' is what one writes without the op."""
     V, L, HKV, D = c.vocab_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
     yield from attention_cases(ops, c, device)
     for T in (16, 81, 128):
@@ -122,6 +126,7 @@ def cases(ops, c, device: str = "cpu"):
             table[tokens] = logits.topk(K, dim=-1).indices  # duplicates: undefined winner
 
         yield "recycle_update_", f"T={T}, V={V}, k={K}", {
+            "bytes": 4 * T * V + 8 * T * K,  # the logits read, the rows written
             "ours": lambda: ops.recycle_update_(table, tokens, logits), "stock": stock,
             "reference": lambda: reference.recycle_update_(table, tokens, logits)}
     kv_dtype = dtypes(device)[0]
@@ -134,6 +139,7 @@ def cases(ops, c, device: str = "cpu"):
 
         what = f"6 accepted of 81, prefix {P}, [{L}, 2, {HKV}, S, {D}] {str(kv_dtype).removeprefix('torch.')}"
         yield "compact_kv_", what, {
+            "bytes": 2 * L * 2 * HKV * len(src) * D * kv_dtype.itemsize,  # every accepted slot read and written
             "ours": lambda cache=cache, src=src, P=P: ops.compact_kv_(cache, src, P + 1), "stock": stock,
             "reference": lambda cache=cache, src=src, P=P: reference.compact_kv_(cache, src, P + 1)}
     for dtype in dtypes(device):
@@ -143,33 +149,41 @@ def cases(ops, c, device: str = "cpu"):
             w = torch.randn(n_out, n_in, device=device, dtype=dtype)
             name = str(dtype).removeprefix("torch.")
             yield "skinny_linear", f"{T}x{n_in} @ {n_in}x{n_out} {name}", {
+                "bytes": dtype.itemsize * (n_out * n_in + T * (n_in + n_out)),
                 "ours": lambda x=x, w=w: ops.skinny_linear(x, w), "stock": lambda x=x, w=w: F.linear(x, w),
                 "reference": lambda x=x, w=w: reference.skinny_linear(x, w)}
     yield from model_matmul_cases(ops, c, device)
 
 
-def measure(device: str, shape: str, reps: int, only=None, log=print) -> list[dict]:
-    """One row per case: each implementation's median ms and ours against stock and reference."""
+def measure(device: str, shape: str, reps: int, only=None, log=print, config=None) -> list[dict]:
+    """One row per case at the shapes of SHAPES[shape] (or `config`, a model's): each implementation's median ms,
+    ours against stock and reference, and the bandwidth ours achieves against the device's measured copy bandwidth
+    (the ceiling of these memory-bound ops)."""
     ops = load_ops("kernels")
+    peak = copy_bandwidth(device)
     rows = []
     with torch.inference_mode():
-        for op, what, impls in cases(ops, SHAPES[shape], device):
+        for op, what, impls in cases(ops, config or SHAPES[shape], device):
             if only and op not in only:
                 continue
+            moved = impls.pop("bytes")
             reference_fn = impls.pop("reference")  # slow by design: fewer calls, timed on its own
             ms = {**median_ms(impls, reps, device), **median_ms({"reference": reference_fn}, max(reps // 5, 3), device)}
+            gb_s = moved / (ms["ours"] / 1e3) / 1e9
             rows.append({"op": op, "shape": what, **{f"{k}_ms": v for k, v in ms.items()},
-                         "vs_stock": ms["stock"] / ms["ours"], "vs_reference": ms["reference"] / ms["ours"]})
+                         "vs_stock": ms["stock"] / ms["ours"], "vs_reference": ms["reference"] / ms["ours"],
+                         "bytes": moved, "gb_s": gb_s, "peak_gb_s": peak, "of_peak": gb_s / peak})
             log(f"{op:16} {what:45} ours {ms['ours']:8.3f} ms  stock {ms['stock']:8.3f} ms  "
-                f"({rows[-1]['vs_stock']:.2f}x)")
+                f"({rows[-1]['vs_stock']:.2f}x)  {gb_s:7.1f} GB/s ({gb_s / peak:.0%} of {peak:.0f})")
     return rows
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| op | shape | ours ms | stock PyTorch ms | ours vs stock | reference ms |", "|---|---|---|---|---|---|"]
+    lines = ["| op | shape | ours ms | stock PyTorch ms | ours vs stock | reference ms | ours GB/s | of copy peak |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['op']} | {r['shape']} | {r['ours_ms']:.3f} | {r['stock_ms']:.3f} | {r['vs_stock']:.2f}x | "
-                     f"{r['reference_ms']:.3f} |")
+                     f"{r['reference_ms']:.3f} | {r['gb_s']:.1f} | {r['of_peak']:.0%} |")
     return lines
 
 
@@ -177,6 +191,8 @@ def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shape", default="smollm2", choices=list(SHAPES))
+    ap.add_argument("--model", default=None, metavar="NAME|DIR",
+                    help="take the shapes from this model's config.json instead of --shape")
     ap.add_argument("--threads", type=integer(1), default=2)
     ap.add_argument("--reps", type=integer(1), default=30)
     ap.add_argument("--only", nargs="+", metavar="OP", help="benchmark only these ops (e.g. tree_attention)")
@@ -189,11 +205,21 @@ def main(argv=None) -> int:
                         "--device cpu")
     torch.set_num_threads(args.threads)
     info = machine_info(args.device)
-    rows = measure(args.device, args.shape, args.reps, args.only, log=lambda line: print(line, flush=True))
+    config = None
+    if args.model is not None:
+        from tr_engine.config import LlamaConfig
+        from tr_engine.models import resolve_model
+
+        folder = resolve_model(args.model)
+        config, args.shape = LlamaConfig.from_json(folder / "config.json"), folder.name
+    rows = measure(args.device, args.shape, args.reps, args.only, log=lambda line: print(line, flush=True),
+                   config=config)
     kind = "CPU" if args.device == "cpu" else "CUDA"
     lines = [f"# {kind} kernels against stock PyTorch and their references ({args.shape} shapes)", "",
              f"Machine: {machine_line(info)}. Median of {args.reps} calls (references: fewer)"
-             + (", each synchronised." if args.device == "cuda" else "."), "", *table(rows)]
+             + (", each synchronised." if args.device == "cuda" else ".")
+             + (f" GB/s: the fewest bytes a call must move over its time, against the {rows[0]['peak_gb_s']:.0f} "
+                "GB/s copy bandwidth measured in the same run." if rows else ""), "", *table(rows)]
     lines += ["", "stock: tree attention = `scaled_dot_product_attention` with a boolean mask, the query heads of "
               "each KV head folded into rows (as the model does without the op); recycle = `topk` + indexed "
               "assignment (its duplicate winner is unspecified); compaction = `index_select` + copy; skinny_linear "

@@ -51,3 +51,25 @@ def machine_line(info: dict) -> str:
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
     return (f"{info['cpu']}, {info['cores']} cores, {info['threads']} threads{gpu}; torch {info['torch']}, "
             f"Python {info['python']}, commit {info['commit']}")
+
+
+def copy_bandwidth(device: str = "cpu", n_bytes: int | None = None, reps: int = 10) -> float:
+    """The device's copy bandwidth in GB/s (bytes read plus bytes written), the median of timed copies of a buffer
+    far bigger than the caches: the ceiling of a memory-bound kernel, measured where it runs."""
+    import statistics
+    import time
+
+    gpu = device.startswith("cuda")
+    n_bytes = n_bytes or (2**31 if gpu else 2**28)
+    src = torch.randn(n_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    times = []
+    for i in range(reps + 2):  # two warm-up copies
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return 2 * n_bytes / statistics.median(times) / 1e9

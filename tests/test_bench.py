@@ -92,7 +92,19 @@ def test_kernels_bench_at_the_tiny_shape(tmp_path):
     assert {r["op"] for r in rows} == {"tree_attention", "recycle_update_", "compact_kv_", "skinny_linear",
                                        "packed_linear"}
     assert all(r["ours_ms"] > 0 and r["stock_ms"] > 0 and r["reference_ms"] > 0 for r in rows)
+    assert all(r["gb_s"] == pytest.approx(r["bytes"] / r["ours_ms"] / 1e6) and r["of_peak"] > 0 for r in rows)
     assert "(tiny shapes)" in (tmp_path / "kernels_cpu_tiny.md").read_text()
+
+
+def test_kernels_bench_takes_its_shapes_from_a_model(tiny_factory, tmp_path):
+    folder = tiny_factory("kernels-shapes", num_heads=4, num_kv_heads=1, head_dim=32, vocab_size=300)
+    proc = run_module("bench.kernels", "--model", str(folder), "--only", "tree_attention", "recycle_update_",
+                      "--reps", "1", "--threads", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / f"kernels_cpu_{folder.name}.json").read_text())["rows"]
+    assert any("4q/1kv heads, D=32" in r["shape"] for r in rows) and any("V=300" in r["shape"] for r in rows)
+    assert_one_line_error(run_module("bench.kernels", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path)),
+                          "nowhere")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: nothing is missing")
