@@ -83,3 +83,16 @@ def test_default_model_names_paris():
     out = json.loads(proc.stdout)
     assert "Paris" in out["text"]
     assert out["new_tokens"] == len(out["token_ids"]) > 0 and out["decode_s"] > 0
+
+
+def test_one_op_swapped_by_the_ops_flag_gives_the_same_answer(tiny_factory):
+    """--ops kernels,tree_attention=reference runs the reference attention inside the kernels' engine; in float64
+    both agree to the last token."""
+    folder = str(tiny_factory("float64", dtype=torch.float64))
+    args = ["--model", folder, "--dtype", "float64", "--prompt", "hello there", "--max-new-tokens", "12", "--json"]
+    whole = run_module("tr_engine.generate", *args)
+    swapped = run_module("tr_engine.generate", *args, "--ops", "kernels,tree_attention=reference")
+    assert whole.returncode == swapped.returncode == 0, swapped.stderr
+    assert json.loads(whole.stdout)["token_ids"] == json.loads(swapped.stdout)["token_ids"]
+    bad = run_module("tr_engine.generate", *args, "--ops", "kernels,attention=reference")
+    assert bad.returncode == 2 and "--ops" in bad.stderr and bad.stderr.strip().count("\n") == 0

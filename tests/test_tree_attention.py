@@ -219,3 +219,17 @@ def test_cuda_dynamic_prefix_replays_in_a_graph(dtype):
     prefix.fill_(S + 50)
     graph.replay()
     assert torch.equal(out, kernels.tree_attention(q, k, v, S - T, mask, 0.125))
+
+
+def test_one_op_swapped_for_its_reference_by_spec():
+    """--ops kernels,tree_attention=reference: that op is the reference's, every other one the kernel's."""
+    from tr_engine.errors import UserError
+    from tr_engine.ops import parse_ops
+
+    ops = load_ops("kernels,tree_attention=reference")
+    assert ops.tree_attention is reference.tree_attention
+    assert ops.compact_kv_ is kernels.compact_kv_ and ops.pack is not None
+    assert parse_ops("reference,recycle_update_=kernels") == ("reference", {"recycle_update_": "kernels"})
+    for bad in ("kernel", "kernels,tree_attention", "kernels,nope=reference", "kernels,tree_attention=fast"):
+        with pytest.raises(UserError, match="ops"):
+            load_ops(bad)

@@ -40,6 +40,18 @@ def _checked(check, value, low, high, what, **kwargs):
         raise argparse.ArgumentTypeError(str(e).removeprefix("it ") + (f" ({what})" if what else ""))
 
 
+def ops_spec(text: str) -> str:
+    """An argparse type: an --ops spec, as tr_engine.ops.parse_ops reads it (imported here, not at the top: it
+    imports torch, and --help should not wait for that)."""
+    from tr_engine.ops import parse_ops
+
+    try:
+        parse_ops(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return text
+
+
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"model folder or known name (default {DEFAULT_MODEL})")
     ap.add_argument("--model-dir", default=None, help="folder that holds known models by name (searched first)")
@@ -53,8 +65,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-context", type=integer(1), default=None, help="KV-cache capacity in tokens")
     ap.add_argument("--threads", type=integer(1, checks.usable_cpus(), "the CPUs this process may use"), default=None,
                     help="CPU threads (default: all available)")
-    ap.add_argument("--ops", default="kernels", choices=["kernels", "reference"],
-                    help="compiled ops or their references")
+    ap.add_argument("--ops", default="kernels", type=ops_spec, metavar="KIND[,OP=KIND...]",
+                    help="kernels (compiled, default) or reference (pure PyTorch), then any single op swapped, e.g. "
+                         "kernels,tree_attention=reference")
     ap.add_argument("--tree", default=ADAPTIVE,
                     help="draft tree: adaptive (default: chosen each step for this machine's verify cost, measured "
                          "once and cached), 2.2.2 (the paper's static tree), or a JSON file of rank paths")

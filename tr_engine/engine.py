@@ -24,7 +24,7 @@ from tr_engine.matrix import RecyclingMatrix
 from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, METHODS
 from tr_engine.model import Llama
 from tr_engine.models import home, resolve_model
-from tr_engine.ops import load_ops
+from tr_engine.ops import load_ops, parse_ops
 from tr_engine.sampling import GREEDY, Sampler, Sampling
 from tr_engine.speculative import speculative_steps
 from tr_engine.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
@@ -172,8 +172,10 @@ class Engine:
         if not isinstance(name_or_path, (str, Path)):
             raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
                               f"{type(name_or_path).__name__}")
-        if ops not in ("kernels", "reference"):
-            raise InvalidValue(f"ops must be 'kernels' or 'reference', got {ops!r}")
+        try:
+            parse_ops(ops)
+        except UserError as e:
+            raise InvalidValue(str(e))
         if not isinstance(tree, (str, Path)):
             raise InvalidType(f"tree must be 'adaptive', a tree name or a tree file path, got {type(tree).__name__}")
         check_method(method)
@@ -334,7 +336,8 @@ def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, ops: str) 
     kernels, whose attention reads the prefix length on the device); asked for elsewhere, a one-line error."""
     if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
         raise InvalidType(f"cuda_graphs must be True, False or None (where possible), got {type(cuda_graphs).__name__}")
-    possible = device.type == "cuda" and ops == "kernels"
+    base, overrides = parse_ops(ops)  # the graphs' attention reads the prefix on the device: the compiled kernel's
+    possible = device.type == "cuda" and overrides.get("tree_attention_dynamic", base) == "kernels"
     if cuda_graphs and not possible:
         why = "--device cuda" if device.type != "cuda" else "the compiled kernels (--ops kernels)"
         raise UserError(f"--cuda-graphs on needs {why}; drop the flag or pass --cuda-graphs off")

@@ -1,5 +1,6 @@
 """Chooses the implementation of the custom ops: the compiled kernels (`"kernels"`, the default) or their
-pure-PyTorch references (`"reference"`). Both expose the same functions with the same signatures.
+pure-PyTorch references (`"reference"`). Both expose the same functions with the same signatures, so one op can be
+swapped for its reference alone: `"kernels,tree_attention=reference"` (the --ops flag takes the same spec).
 """
 
 from types import SimpleNamespace
@@ -39,41 +40,69 @@ def packs(dtype: torch.dtype, device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and dtype in PACKED_DTYPES
 
 
-def load_ops(kind: str = "kernels") -> SimpleNamespace:
-    """A namespace with one callable per op in OP_NAMES."""
+def parse_ops(spec: str) -> tuple[str, dict[str, str]]:
+    """'kernels' or 'reference', then any number of ',OP=KIND' overrides -> (base kind, {op: kind}); a one-line
+    error for anything else."""
+    if not isinstance(spec, str):
+        raise UserError(f"ops must be a string like 'kernels' or 'kernels,tree_attention=reference', got "
+                        f"{type(spec).__name__}")
+    base, *rest = spec.split(",")
+    if base not in KINDS:
+        raise UserError(f"unknown ops {base!r}; choose one of {', '.join(KINDS)}, then any OP=KIND overrides")
+    overrides = {}
+    for item in rest:
+        name, _, kind = item.partition("=")
+        if name not in OP_NAMES or kind not in KINDS:
+            raise UserError(f"ops override {item!r}: expected OP=KIND with an op of {', '.join(OP_NAMES)} and a kind "
+                            f"of {', '.join(KINDS)}")
+        overrides[name] = kind
+    return base, overrides
+
+
+def load_ops(spec: str = "kernels") -> SimpleNamespace:
+    """A namespace with one callable per op in OP_NAMES, from the kind `spec` names (parse_ops), each op overridden
+    there taken from its own kind."""
+    kind, overrides = parse_ops(spec)
+    ops = _load(kind)
+    for name, other in overrides.items():
+        setattr(ops, name, getattr(_load(other), name))
+    if overrides:
+        ops.kind = spec
+    return ops
+
+
+def _load(kind: str) -> SimpleNamespace:
     if kind == "reference":
         # The model's projections stay plain F.linear here: the readable engine, end to end (and nothing is packed;
         # a packed model handed to these ops multiplies through the reference's unpacking twin).
         def reference_linear(x: torch.Tensor, w) -> torch.Tensor:
             if isinstance(w, PackedWeight):
-                return reference.packed_linear(x, w.data, w.n)
+                return ns.packed_linear(x, w.data, w.n)
             return F.linear(x, w)
 
-        return SimpleNamespace(kind=kind, linear=reference_linear, pack=None,
-                               **{name: getattr(reference, name) for name in OP_NAMES})
-    if kind != "kernels":
-        raise UserError(f"unknown ops {kind!r}; choose one of {', '.join(KINDS)}")
+        ns = SimpleNamespace(kind=kind, linear=reference_linear, pack=None,
+                             **{name: getattr(reference, name) for name in OP_NAMES})
+        return ns
     try:
         import tr_engine._C  # noqa: F401  (registers torch.ops.tr_engine.*)
     except ImportError as e:
         raise UserError(f"the compiled ops are not built ({e}); run `make install`, or pass --ops reference")
     _register_fakes()
-    ops = {name: getattr(torch.ops.tr_engine, name) for name in OP_NAMES}
-    skinny, packed, pack_linear = ops["skinny_linear"], ops["packed_linear"], ops["pack_linear"]
-
     def linear(x: torch.Tensor, w) -> torch.Tensor:
         """x [T, K] @ w.T: packed_linear for a PackedWeight; else F.linear, through skinny_linear for the few rows of a
-        CPU decode step or small draft (SKINNY_ROWS)."""
+        CPU decode step or small draft (SKINNY_ROWS). (The ops are read from the namespace: an override holds.)"""
         if isinstance(w, PackedWeight):
-            return packed(x, w.data, w.n)
+            return ns.packed_linear(x, w.data, w.n)
         if x.shape[0] <= SKINNY_ROWS.get(x.dtype, 0) and x.device.type == "cpu":
-            return skinny(x, w)
+            return ns.skinny_linear(x, w)
         return F.linear(x, w)
 
     def pack(w: torch.Tensor) -> PackedWeight:
-        return PackedWeight(pack_linear(w), w.shape[0])
+        return PackedWeight(ns.pack_linear(w), w.shape[0])
 
-    return SimpleNamespace(kind=kind, linear=linear, pack=pack, **ops)
+    ns = SimpleNamespace(kind=kind, linear=linear, pack=pack,
+                         **{name: getattr(torch.ops.tr_engine, name) for name in OP_NAMES})
+    return ns
 
 
 _fakes_registered = False
