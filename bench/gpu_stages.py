@@ -42,12 +42,6 @@ class Stage:
             self.failures.append(f"{what}: {describe(e)}")
             return None
 
-    def sync(self) -> None:
-        if self.gpu:
-            import torch
-
-            torch.cuda.synchronize()
-
 
 def stage_env(s: Stage) -> dict:
     import platform
@@ -148,6 +142,7 @@ def stage_bandwidth(s: Stage) -> dict:
     bf16 matrix product's rate (the prefill's), on random data, medians of timed repeats."""
     import torch
 
+    from bench.kernels import median_ms
     from bench.machine import copy_bandwidth
 
     n_bytes = 2**31 if s.gpu else 2**27
@@ -155,25 +150,9 @@ def stage_bandwidth(s: Stage) -> dict:
     n = 8192 if s.gpu else 512
     a = torch.randn(n, n, device=s.device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=s.device, dtype=torch.bfloat16)
-    mm_s = _median_s(lambda: a @ b, 20 if s.gpu else 3, s)
+    mm_s = median_ms({"matmul": lambda: a @ b}, 20 if s.gpu else 3, s.device)["matmul"] / 1e3
     return {"copy_gb_s": round(copy_gb_s, 1), "copy_bytes": n_bytes,
             "bf16_matmul_tflops": round(2 * n**3 / mm_s / 1e12, 2), "matmul_n": n}
-
-
-def _median_s(fn, reps: int, s: Stage) -> float:
-    """Median seconds of fn() (synchronised), after two warm-up calls."""
-    import statistics
-
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        s.sync()
-        t0 = time.perf_counter()
-        fn()
-        s.sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def stage_steps(s: Stage, shape: str) -> dict:

@@ -175,7 +175,7 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     return {"model": model_name, "dtype": str(dtype).removeprefix("torch."), "device": where,
             "threads": torch.get_num_threads(), "ops": ops, "torch": torch.__version__,
-            "build": kernels_build() if ops.startswith("kernels") else None, "cuda_graphs": cuda_graphs}
+            "build": kernels_build() if "kernels" in ops else None, "cuda_graphs": cuda_graphs}
 
 
 def kernels_build() -> str:

@@ -103,17 +103,18 @@ class Attention(nn.Module):
         T, D, Hq, Hkv = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
         qkv = ops.linear(x, self.qkv_weight).view(T, Hq + 2 * Hkv, D)  # [T, Hq + 2 Hkv, D]: q heads, then k, then v
         qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq + Hkv, D], q and k rotated together
+        k_new, v_new = qk[:, Hq:].transpose(0, 1), qkv[:, Hq + Hkv :].transpose(0, 1)  # [Hkv, T, D] each
         if mask.slots is not None:  # the prefix length lives on the device: a step a CUDA graph replays anywhere
-            kv[0].index_copy_(1, mask.slots, qk[:, Hq:].transpose(0, 1))
-            kv[1].index_copy_(1, mask.slots, qkv[:, Hq + Hkv :].transpose(0, 1))
-            o = ops.tree_attention_dynamic(qk[:, :Hq], kv[0], kv[1], start, mask.tree, D**-0.5)  # [T, Hq, D]
+            kv[0].index_copy_(1, mask.slots, k_new)
+            kv[1].index_copy_(1, mask.slots, v_new)
+        else:
+            kv[0, :, start : start + T] = k_new
+            kv[1, :, start : start + T] = v_new
+        if mask.tree is not None:  # a verify (or CPU decode) step: every cached token plus the tree ancestors
+            attend = ops.tree_attention if mask.slots is None else ops.tree_attention_dynamic
+            o = attend(qk[:, :Hq], kv[0], kv[1], start, mask.tree, D**-0.5)  # [T, Hq, D]
             return ops.linear(o.reshape(T, Hq * D), self.o_weight)
         end = start + T
-        kv[0, :, start:end] = qk[:, Hq:].transpose(0, 1)
-        kv[1, :, start:end] = qkv[:, Hq + Hkv :].transpose(0, 1)
-        if mask.tree is not None:  # a verify (or CPU decode) step: every cached token plus the tree ancestors
-            o = ops.tree_attention(qk[:, :Hq], kv[0], kv[1], start, mask.tree, D**-0.5)  # [T, Hq, D]
-            return ops.linear(o.reshape(T, Hq * D), self.o_weight)
         # Grouped-query attention without copying K/V: the G query heads that share a KV head are folded into the
         # row dimension, [T, Hq, D] -> [Hkv, G*T, D], so each KV head is read once, as plain multi-head attention.
         # 4-D inputs select PyTorch's fused CPU/GPU attention kernels (3-D ones fall back to the unfused math path).
