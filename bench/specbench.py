@@ -31,20 +31,23 @@ from tr_engine.cli_args import add_sampling_args, sampling_from_args
 from tr_engine.cost import CostModel
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
+from tr_engine.methods import methods
 from tr_engine.sampling import GREEDY, Sampling
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 GROUPS = {"translation": "translation", "summarization": "summarization", "qa": "qa", "math_reasoning": "math",
           "rag": "rag", "humaneval": "code"}  # every other category is MT-bench: "conversation"
 GROUP_ORDER = ["conversation", "translation", "summarization", "qa", "math", "rag", "code"]
-METHODS = ("ar", "tr", "tr-cold", "tr-adaptive", "hybrid", "tr-81", "hybrid-81", "pld", "hf-ar", "hf-pld")
-# Methods with a drafter of their own (own matrix and statistics), built by Engine.new_drafter's arguments. The "-81"
-# ones verify as many tokens as the static 2.2.2 tree whatever the cost (a flat curve, at most 81 tokens): the
+# Configurations with a drafter of their own (own matrix and statistics), built by Engine.new_drafter's arguments.
+# ("hybrid" is the engine's method with a matrix of its own, so the "tr" rows keep theirs.) The "-81" ones verify as many tokens as the static 2.2.2 tree whatever the cost (a flat curve, at most 81 tokens): the
 # adaptive tree's drafts against the paper's at the same size.
 STATIC_SIZE = 81
 OWN_DRAFTERS = {"tr-adaptive": dict(method="tr", tree="adaptive"), "hybrid": dict(method="hybrid", tree="adaptive"),
                 "tr-81": dict(method="tr", tree="adaptive", flat=STATIC_SIZE),
                 "hybrid-81": dict(method="hybrid", tree="adaptive", flat=STATIC_SIZE)}
+# Every engine method (tr_engine.methods: "ar" and each registered drafter), the configurations above, a cold matrix,
+# and transformers' own decoding as the peer.
+METHODS = tuple(dict.fromkeys((*methods(), "tr-cold", *OWN_DRAFTERS, "hf-ar", "hf-pld")))
 HOT = ("tr",) + tuple(OWN_DRAFTERS)  # warmed up before measuring
 HF_PLD_TOKENS = 10  # prompt_lookup_num_tokens, transformers' documented example value
 

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from bench.machine import machine_info, machine_line
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
-from tr_engine import reference
 from tr_engine.cli import ArgumentParser, run
 from tr_engine.engine import Engine
 from tr_engine.ops import load_ops
@@ -43,8 +42,9 @@ def stock_recycle_update_(table, tokens, logits):
 
 def op_set(impl: str) -> SimpleNamespace:
     if impl == "stock":
-        return SimpleNamespace(kind="stock", linear=F.linear, tree_attention=stock_tree_attention,
-                               recycle_update_=stock_recycle_update_, compact_kv_=reference.compact_kv_)
+        # The references' namespace with the stock PyTorch calls swapped in (plain F.linear, nothing packed)
+        return SimpleNamespace(**{**vars(load_ops("reference")), "kind": "stock", "tree_attention": stock_tree_attention,
+                                  "recycle_update_": stock_recycle_update_})
     return load_ops(impl)
 
 
@@ -78,15 +78,11 @@ def make_engine(impl: str, dtype: torch.dtype, threads: int) -> tuple[Engine, Ma
     # The kernels' engine keeps its projections packed for packed_linear; the others load plain weights for F.linear.
     # The paper's static tree, not the adaptive default: this bench measures one fixed step shape.
     engine = Engine.from_pretrained("smollm2-135m-instruct", dtype=dtype, threads=threads, tree="2.2.2",
-                                    ops="kernels" if impl == "kernels" else "reference")
-    ops = op_set(impl)
-    engine.ops = ops
-    engine.matrix.update = ops.recycle_update_
-    engine.model.ops = ops
+                                    ops=op_set(impl))
     return engine, MatmulClock(engine.model)
 
 
-def run(args) -> dict:
+def measure(args) -> dict:
     questions = load_questions(args.questions_file, None, None)
     step = max(len(questions) // args.questions, 1)
     chosen = questions[::step][: args.questions]
@@ -167,7 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
     info = machine_info()
-    data = run(args)
+    data = measure(args)
     print(write(args.out, data, info, args))
     return 0
 

@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 
-from tr_engine import reference
 from tr_engine.adaptive import DEPTHS, EDGES, AdaptiveTrees, ChainStats, ConfidenceStats, confidence_bin
 from tr_engine.cost import BUCKETS, PREFIXES, CostModel, cost_key, cost_path
 from tr_engine.decode import plain_generate
@@ -40,7 +39,7 @@ def generate(model, drafter, prompt, n, eos=()):
     model.set_max_positions(512)
     if drafter is None:
         return plain_generate(model, cache, prompt, n, eos)
-    return speculative_generate(model, cache, prompt, drafter, n, eos, reference.compact_kv_)
+    return speculative_generate(model, cache, prompt, drafter, n, eos, model.ops)
 
 
 def drafter(kind: str, cost: CostModel | None, vocab: int):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tr_engine import reference, speculative
+from tr_engine import speculative
 from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.decode import plain_generate, prefill
 from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
@@ -126,7 +126,7 @@ def run(model, drafter, prompt, n, sampling, seed, eos=()):
     sampler = Sampler(sampling, seed) if not sampling.greedy else None
     if drafter is None:
         return plain_generate(model, cache, prompt, n, eos, sampler)
-    return speculative_generate(model, cache, prompt, drafter, n, eos, reference.compact_kv_, None, sampler)
+    return speculative_generate(model, cache, prompt, drafter, n, eos, model.ops, None, sampler)
 
 
 def make_drafter(kind: str, vocab: int):

@@ -42,7 +42,7 @@ def run(model, method, prompt, n, eos=(), tree=None, seed=False, matrix=None):
     else:
         drafter = TokenRecycling(matrix, tree)
     seed_fn = matrix.seed_ if seed else None
-    return speculative_generate(model, cache, prompt, drafter, n, eos, reference.compact_kv_, seed_fn)
+    return speculative_generate(model, cache, prompt, drafter, n, eos, model.ops, seed_fn)
 
 
 @pytest.mark.parametrize("tree_name", TREES)
@@ -295,7 +295,7 @@ def test_the_reference_loop_emits_what_speculative_steps_does(tiny, tree_name):
         eos = (run(tiny, "ar", prompt, n).token_ids[n // 2],) if i % 3 == 0 else ()
         engine = run(tiny, "tr", prompt, n, eos, tree, matrix=theirs)
         cache = KVCache(tiny.config, 512, torch.float64, "cpu")
-        got = token_recycling_reference(tiny, cache, prompt, ours, tree, n, eos, reference.compact_kv_)
+        got = token_recycling_reference(tiny, cache, prompt, ours, tree, n, eos, tiny.ops)
         assert got == engine.token_ids, i
         accepted += sum(a > 1 for a in engine.accept_lengths)
     assert torch.equal(ours.table, theirs.table) and torch.equal(ours.confidence, theirs.confidence)

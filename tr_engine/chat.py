@@ -14,7 +14,7 @@ from tr_engine import checks
 from tr_engine.cli import ArgumentParser, run, warn
 from tr_engine.cli_args import add_engine_args, engine_from_args, integer, sampling_from_args
 from tr_engine.errors import MatrixFileError, UserError, one_line
-from tr_engine.methods import METHODS
+from tr_engine.methods import methods
 from tr_engine.models import home
 
 HELP = """commands:
@@ -154,8 +154,8 @@ def command(session: Session, line: str) -> bool:
     elif word == "/stats":
         print(session.stats(), file=sys.stderr)
     elif word == "/method":
-        if arg.strip() not in METHODS:
-            print(f"usage: /method {'|'.join(METHODS)}", file=sys.stderr)
+        if arg.strip() not in methods():
+            print(f"usage: /method {'|'.join(methods())}", file=sys.stderr)
         else:
             session.method = arg.strip()
             print(f"[method {session.method}]", file=sys.stderr)

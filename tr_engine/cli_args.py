@@ -5,7 +5,7 @@ import sys
 
 from tr_engine import checks
 from tr_engine.errors import UserError
-from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, MAX_MATRIX_K, METHODS
+from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, MAX_MATRIX_K, methods
 from tr_engine.models import DEFAULT_MODEL
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")  # weights.DTYPES, torch-free
@@ -55,7 +55,7 @@ def ops_spec(text: str) -> str:
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"model folder or known name (default {DEFAULT_MODEL})")
     ap.add_argument("--model-dir", default=None, help="folder that holds known models by name (searched first)")
-    ap.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
+    ap.add_argument("--method", default=DEFAULT_METHOD, choices=methods(),
                     help="hybrid (default, the fastest measured here): Token Recycling's tree with prompt lookup's "
                          "chain; tr: Token Recycling alone (with --tree 2.2.2: the paper's setting); pld: prompt "
                          "lookup; ar: plain greedy. Same output tokens")

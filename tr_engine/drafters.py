@@ -4,7 +4,10 @@ All of them share verify, accept and compact (tr_engine/speculative.py). Token R
 recycling matrix and learns from every verify; prompt lookup copies the continuation of the latest earlier match of
 the last few tokens, as a chain; hybrid drafting merges the two into one tree.
 
-A drafter has three calls, one per phase of the loop that is its own (tr_engine/speculative.py):
+A drafter is a class with a `name` and four calls (the Drafter protocol below), registered as a method in
+tr_engine/methods.py's DRAFTERS:
+- build(setup) -> drafter (a classmethod): one from what the engine offers (DrafterSetup: device, static tree,
+  recycling matrix, adaptive planner), taking only what it uses;
 - propose(history) -> Draft: retrieve, the tree and its tokens;
 - learn(draft, committed, seconds): what the step teaches the planner: which candidates came true, and what the
   step cost (drafting to compaction), which the adaptive tree prices its sizes by;
@@ -13,6 +16,8 @@ Everything a step's later calls need from its proposal travels in the Draft, nev
 """
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Callable, Protocol
 
 import torch
 
@@ -30,6 +35,36 @@ class Draft:
     chain: list[int] = field(default_factory=list)  # the chain prompt lookup found (hybrid), before any cut
 
 
+class DrafterSetup:
+    """What the engine offers a drafter's build: the device, the static tree (DraftTree), and, made on first use, the
+    recycling matrix and the adaptive tree's planner (None for a static tree)."""
+
+    def __init__(self, device: torch.device, tree: DraftTree, matrix: Callable[[], RecyclingMatrix],
+                 adaptive: Callable[[], AdaptiveTrees | None]):
+        self.device, self.tree, self._matrix, self._adaptive = device, tree, matrix, adaptive
+
+    @cached_property
+    def matrix(self) -> RecyclingMatrix:
+        return self._matrix()
+
+    @cached_property
+    def adaptive(self) -> AdaptiveTrees | None:
+        return self._adaptive()
+
+
+class Drafter(Protocol):
+    name: str  # its method's name
+
+    @classmethod
+    def build(cls, setup: DrafterSetup) -> "Drafter": ...
+
+    def propose(self, history: list[int]) -> Draft: ...
+
+    def learn(self, draft: Draft, committed: list[int], seconds: float = 0.0) -> None: ...
+
+    def recycle(self, draft: Draft, logits: torch.Tensor) -> None: ...
+
+
 class TokenRecycling:
     """Retrieve from the matrix along a tree; recycle every verify's top-k back into it. The tree is static (the
     paper's), or with `adaptive` chosen each step for this machine's verify cost (tr_engine/adaptive.py)."""
@@ -38,6 +73,10 @@ class TokenRecycling:
 
     def __init__(self, matrix: RecyclingMatrix, tree: DraftTree, adaptive: AdaptiveTrees | None = None):
         self.matrix, self.tree, self.adaptive = matrix, tree.to(matrix.table.device), adaptive
+
+    @classmethod
+    def build(cls, setup: DrafterSetup) -> "TokenRecycling":
+        return cls(setup.matrix, setup.tree, setup.adaptive)
 
     def propose(self, history: list[int]) -> Draft:
         return self.draft(history, self.plan(history)[0] if self.adaptive else self.tree)
@@ -73,6 +112,10 @@ class PromptLookup:
         self.device, self.length, self.max_ngram = device, length, max_ngram
         self.chains = [chain_tree(n).to(device) for n in range(length + 1)]
 
+    @classmethod
+    def build(cls, setup: DrafterSetup) -> "PromptLookup":
+        return cls(setup.device)
+
     def propose(self, history: list[int]) -> Draft:
         draft = self.lookup(history)
         tokens = torch.tensor([history[-1]] + draft, dtype=torch.long, device=self.device)
@@ -105,6 +148,10 @@ class Hybrid:
         self.tr, self.lookup = tr, lookup
         self.chain_stats = ChainStats(lookup.length)
         self._grafted: dict[tuple, DraftTree] = {}
+
+    @classmethod
+    def build(cls, setup: DrafterSetup) -> "Hybrid":
+        return cls(TokenRecycling.build(setup), PromptLookup.build(setup))
 
     @property
     def adaptive(self) -> AdaptiveTrees | None:

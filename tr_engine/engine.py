@@ -16,15 +16,15 @@ from tr_engine import checks
 from tr_engine.decode import Generation, plain_steps, run_to_end
 from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.cost import BUCKETS, CostModel, cost_key, cost_path
-from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
+from tr_engine.drafters import DrafterSetup
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.graphs import StepGraphs, graph_buckets
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
-from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, METHODS
+from tr_engine.methods import ADAPTIVE, AR, DEFAULT_METHOD, DRAFTERS, drafter_class, methods
 from tr_engine.model import Llama
 from tr_engine.models import home, resolve_model
-from tr_engine.ops import load_ops, parse_ops
+from tr_engine.ops import is_compiled, resolve_ops
 from tr_engine.sampling import GREEDY, Sampler, Sampling
 from tr_engine.speculative import speculative_steps
 from tr_engine.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
@@ -75,10 +75,12 @@ class GenerateResult:
 
 
 class Engine:
-    def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, ops: str = "kernels",
-                 tree: str = ADAPTIVE, matrix_k: int = 8, method: str = DEFAULT_METHOD,
-                 seed: int | None = None, cuda_graphs: bool | None = None):
+    def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, tree: str = ADAPTIVE,
+                 matrix_k: int = 8, method: str = DEFAULT_METHOD, seed: int | None = None,
+                 cuda_graphs: bool | None = None):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
+        # The ops (tr_engine.ops), one namespace for the model, the matrix and the decode loop: the model's.
+        self.ops = model.ops
         # Sampling's randomness: each sampled call draws its own seed from this stream (or takes the one it is given),
         # so a seeded engine answers a sequence of calls the same way whatever method each uses.
         self.rng = torch.Generator()
@@ -87,50 +89,56 @@ class Engine:
         else:
             self.rng.manual_seed(seed)
         self.method = check_method(method)  # the default decode method of generate/stream
-        self.ops = load_ops(ops)
         self.cache = KVCache(model.config, max_context, model.dtype, model.device)
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, for reuse across a conversation
         model.set_max_positions(max_context)
         # Token Recycling's state: one matrix for the engine's lifetime (hot start across calls).
-        self.matrix = RecyclingMatrix(model.config.vocab_size, matrix_k, model.device, self.ops.recycle_update_)
-        self.tree_spec, self.matrix_k, self.ops_kind = tree, matrix_k, ops
+        self.matrix = RecyclingMatrix(model.config.vocab_size, matrix_k, model.device, self.ops)
+        self.tree_spec, self.matrix_k = tree, matrix_k
         self.tree = load_tree("2.2.2" if tree == ADAPTIVE else tree, matrix_k)  # the static tree (adaptive: unused)
         if tree != ADAPTIVE and self.tree.size >= self.cache.capacity:  # near the end a tree is cut to fit; not all
             raise InvalidValue(f"the draft tree verifies {self.tree.size} tokens a step but the cache holds only "
                                f"{self.cache.capacity}; use a smaller --tree or raise --max-context")
         # What the decode loops run their forwards through: the model, or on a GPU its CUDA graphs (graphs.py).
-        self.cuda_graphs = check_cuda_graphs(cuda_graphs, model.device, ops)
+        self.cuda_graphs = check_cuda_graphs(cuda_graphs, model.device, self.ops)
         self.runner = model
         if self.cuda_graphs:
             self.runner = StepGraphs(model, self.cache, graph_buckets(BUCKETS, self.tree.size, self.cache.capacity))
         self._cost: CostModel | None = None
         self.on_calibrate = None  # called (no arguments) just before the cost curve is measured: a notice, say
-        self.drafters = {m: self.new_drafter(m, matrix=self.matrix) for m in ("tr", "pld", "hybrid")}
+        self.drafters = {}  # method -> the drafter generate/stream use for it, on the engine's matrix (drafter())
+
+    def drafter(self, method: str):
+        """The engine's drafter for `method` (a registered drafter's name), made on first use; the drafters of
+        methods that keep a recycling matrix share the engine's."""
+        if method not in self.drafters:
+            self.drafters[method] = self.new_drafter(method, matrix=self.matrix)
+        return self.drafters[method]
 
     def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None,
                     cost: CostModel | None = None, max_tokens: int = BUCKETS[-1]):
-        """A drafter for `method` (tr, pld, hybrid) with the engine's tree setting or `tree` ("adaptive", "2.2.2", a
-        file), drafting from `matrix` (default: a new, empty one). Pass it to generate/stream as `drafter=` to run
-        several configurations side by side on one model, each with its own state (the benchmarks do). An adaptive
-        tree prices its sizes with the engine's measured curve, or with `cost` pinned (CostModel.flat, say), and
-        verifies at most `max_tokens` tokens."""
-        if method == "pld":
-            return PromptLookup(self.cache.data.device)
-        if method not in ("tr", "hybrid"):
-            raise UserError(f"no drafter for method {method!r}; choose tr, pld or hybrid")
+        """A drafter for `method` (tr, pld, hybrid, or any registered since: tr_engine.methods) with the engine's
+        tree setting or `tree` ("adaptive", "2.2.2", a file), drafting from `matrix` (default: a new, empty one).
+        Pass it to generate/stream as `drafter=` to run several configurations side by side on one model, each with
+        its own state (the benchmarks do). An adaptive tree prices its sizes with the engine's measured curve, or
+        with `cost` pinned (CostModel.flat, say), and verifies at most `max_tokens` tokens."""
+        if method not in DRAFTERS:
+            raise UserError(f"no drafter for method {method!r}; choose one of {', '.join(DRAFTERS)}")
         tree = tree or self.tree_spec
-        if matrix is None:
-            matrix = RecyclingMatrix(self.model.config.vocab_size, self.matrix_k, self.cache.data.device,
-                                     self.ops.recycle_update_)
-        adaptive = None
-        if tree == ADAPTIVE:
-            adaptive = AdaptiveTrees(cost, max_tokens, device=self.cache.data.device, pinned=cost is not None)
-        static = self.tree if tree in (self.tree_spec, ADAPTIVE) else load_tree(tree, matrix.k)
-        tr = TokenRecycling(matrix, static, adaptive)
-        return Hybrid(tr, PromptLookup(self.cache.data.device)) if method == "hybrid" else tr
+        device = self.cache.data.device
+        k = self.matrix_k if matrix is None else matrix.k
+        static = self.tree if tree in (self.tree_spec, ADAPTIVE) else load_tree(tree, k)
+
+        def new_matrix() -> RecyclingMatrix:
+            return matrix if matrix is not None else RecyclingMatrix(self.model.config.vocab_size, k, device, self.ops)
+
+        def new_adaptive() -> AdaptiveTrees | None:
+            return AdaptiveTrees(cost, max_tokens, device=device, pinned=cost is not None) if tree == ADAPTIVE else None
+
+        return drafter_class(method).build(DrafterSetup(device, static, new_matrix, new_adaptive))
 
     def _cost_location(self):
-        key = cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops_kind, self.cuda_graphs)
+        key = cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops.kind, self.cuda_graphs)
         return key, cost_path(home(), key)
 
     def cost_model(self, recalibrate: bool = False) -> CostModel:
@@ -161,7 +169,7 @@ class Engine:
         dtype: str | torch.dtype = "float32",
         max_context: int | None = None,
         model_dir: str | None = None,
-        ops: str = "kernels",
+        ops="kernels",
         threads: int | None = None,
         tree: str = ADAPTIVE,
         matrix_k: int = 8,
@@ -173,7 +181,9 @@ class Engine:
             raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
                               f"{type(name_or_path).__name__}")
         try:
-            parse_ops(ops)
+            ops = resolve_ops(ops)  # a spec ("kernels,tree_attention=reference") or a namespace: built once, here
+        except InvalidType:
+            raise
         except UserError as e:
             raise InvalidValue(str(e))
         if not isinstance(tree, (str, Path)):
@@ -193,7 +203,7 @@ class Engine:
         if max_context is not None and not 1 <= max_context <= limit:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
-        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), ops, str(tree), matrix_k,
+        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), str(tree), matrix_k,
                    method, seed, cuda_graphs)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
@@ -289,8 +299,8 @@ class Engine:
         method = drafter.name if drafter is not None else check_method(method or self.method)
         # Refuse what cannot fit before measuring anything (the decode loops check the same again).
         self.cache.check_room(len(ids) + max_new_tokens, "the prompt plus --max-new-tokens", start=0)
-        if method != "ar":
-            drafter = drafter or self.drafters[method]
+        if method != AR:
+            drafter = drafter or self.drafter(method)
             adaptive = getattr(drafter, "adaptive", None)
             # The engine's current curve, unless the drafter has its own (measuring, once, overwrites the cache: first).
             if adaptive is not None and not adaptive.pinned:
@@ -300,13 +310,13 @@ class Engine:
         # The loop writes only after these slots, so an interrupted call (Ctrl-C) still leaves them to reuse.
         self.cached_ids = ids[: self.cache.length]
         eos = self.tokenizer.eos_ids
-        if method == "ar":
+        if method == AR:
             gen = yield from plain_steps(self.runner, self.cache, ids, max_new_tokens, eos, sampler)
         else:
             matrix = getattr(drafter, "matrix", None)
             seed_fn = matrix.seed_ if seed_from_prompt and matrix is not None else None
             gen = yield from speculative_steps(self.runner, self.cache, ids, drafter, max_new_tokens, eos,
-                                               self.ops.compact_kv_, seed_fn, sampler)
+                                               self.ops, seed_fn, sampler)
         self.cached_ids = (ids + gen.token_ids)[: self.cache.length]
         return gen
 
@@ -326,18 +336,18 @@ class Engine:
 
 
 def check_method(method: str) -> str:
-    if not isinstance(method, str) or method not in METHODS:
-        raise InvalidValue(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if not isinstance(method, str) or method not in methods():
+        raise InvalidValue(f"unknown method {method!r}; choose one of {', '.join(methods())}")
     return method
 
 
-def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, ops: str) -> bool:
+def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, ops) -> bool:
     """Whether the engine runs its steps as CUDA graphs: by default wherever it can (a CUDA device and the compiled
     kernels, whose attention reads the prefix length on the device); asked for elsewhere, a one-line error."""
     if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
         raise InvalidType(f"cuda_graphs must be True, False or None (where possible), got {type(cuda_graphs).__name__}")
-    base, overrides = parse_ops(ops)  # the graphs' attention reads the prefix on the device: the compiled kernel's
-    possible = device.type == "cuda" and overrides.get("tree_attention_dynamic", base) == "kernels"
+    # the graphs' attention reads the prefix on the device: the compiled kernel's
+    possible = device.type == "cuda" and is_compiled(ops, "tree_attention_dynamic")
     if cuda_graphs and not possible:
         why = "--device cuda" if device.type != "cuda" else "the compiled kernels (--ops kernels)"
         raise UserError(f"--cuda-graphs on needs {why}; drop the flag or pass --cuda-graphs off")

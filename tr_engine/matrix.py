@@ -11,27 +11,27 @@ from pathlib import Path
 
 import torch
 
-from tr_engine import reference
 from tr_engine.errors import InvalidValue, MatrixFileError
 from tr_engine.files import atomic_write, signals_deferred
 from tr_engine.methods import MAX_MATRIX_K
+from tr_engine.ops import resolve_ops
 from tr_engine.tree import DraftTree
 
 
 class RecyclingMatrix:
-    """`update` is the recycle op (tr_engine.ops: the kernel or its reference), with recycle_update_'s contract.
+    """`ops` (tr_engine.ops: a spec or a namespace, the pure-PyTorch reference by default) supplies recycle_update_.
 
     Beside each row's ids it keeps their confidence: the softmax of the row's k logits when it was written (the
     candidates' shares of the row's top-k mass; 0 for a row never written). The adaptive tree reads it to spend its
     nodes where the model was sure (tr_engine/adaptive.py); the paper's static tree ignores it."""
 
-    def __init__(self, vocab_size: int, k: int = 8, device="cpu", update=reference.recycle_update_):
+    def __init__(self, vocab_size: int, k: int = 8, device="cpu", ops="reference"):
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(MAX_MATRIX_K, vocab_size):
             raise InvalidValue(f"--matrix-k must be an integer between 1 and {min(MAX_MATRIX_K, vocab_size)} (the "
                                f"candidates kept per token), got {k!r}")
         self.table = torch.zeros(vocab_size, k, dtype=torch.long, device=device)  # [V, k] token ids
         self.confidence = torch.zeros(vocab_size, k, dtype=torch.float16, device=device)  # [V, k]
-        self.update = update
+        self.ops = resolve_ops(ops)
         # On a GPU the adaptive tree reads hundreds of rows a step on the host; each read of device memory would be a
         # sync, so it reads a CPU mirror that recycle_ keeps current instead (host()).
         self.mirrored = self.table.device.type != "cpu"
@@ -53,7 +53,7 @@ class RecyclingMatrix:
     def recycle_(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """Every verify token's row <- the top-k of the logits at its node ([T] ids, [T, V] logits), and its
         confidences <- their softmax; a token at several nodes takes the last node's, in breadth-first order."""
-        self.update(self.table, tokens, logits)
+        self.ops.recycle_update_(self.table, tokens, logits)
         ids = tokens.tolist()
         last = sorted({t: i for i, t in enumerate(ids)}.values())  # the node each row was written from
         if len(last) < len(ids):

@@ -1,12 +1,45 @@
-"""The decode methods and tree settings the engine, the command-line tools and the benchmarks accept (no torch import
-here, so `--help` stays instant)."""
+"""The decode methods: plain decoding ("ar") and one per drafter in DRAFTERS, the registry the engine, the command-line
+tools and the benchmarks all read. No torch import here, so `--help` stays instant.
 
-# ar: plain greedy; tr: Token Recycling; pld: prompt lookup; hybrid: Token Recycling's tree with prompt lookup's chain
-METHODS = ("ar", "tr", "pld", "hybrid")
+A new drafter is one class (tr_engine/drafters.py says what it implements) and one line in DRAFTERS, or, from outside
+the package, one call to register_drafter.
+"""
+
+import importlib
+
+# method -> its drafter, as "module:Class" (imported when first used) or the class itself
+DRAFTERS: dict[str, object] = {
+    "tr": "tr_engine.drafters:TokenRecycling",  # Token Recycling: the recycling matrix's tree
+    "pld": "tr_engine.drafters:PromptLookup",  # prompt lookup: the continuation of an earlier match, as a chain
+    "hybrid": "tr_engine.drafters:Hybrid",  # Token Recycling's tree with prompt lookup's chain merged in
+}
+AR = "ar"  # plain greedy (or sampled) decoding, one token per forward: no drafter
 # What a user gets unless they ask: the fastest exact method measured on this project's machines (hybrid beats
 # Token Recycling alone in every Spec-Bench group of the dev split; README, "Benchmarks").
 DEFAULT_METHOD = "hybrid"
 ADAPTIVE = "adaptive"
 # Candidates kept per token in the recycling matrix, at most: the CUDA recycle kernel keeps a row's best k in
 # registers, up to 16 of them (csrc/cuda/recycle_update.cu). The paper keeps 8.
-MAX_MATRIX_K = 16  # --tree adaptive: the cost-aware tree of tr_engine/adaptive.py
+MAX_MATRIX_K = 16
+
+
+def methods() -> tuple[str, ...]:
+    """Every method a caller may ask for: plain decoding, then the registered drafters."""
+    return (AR, *DRAFTERS)
+
+
+def register_drafter(name: str, drafter) -> None:
+    """Add a drafter (a class, or "module:Class") as method `name`, for the engine and the command-line tools."""
+    if not isinstance(name, str) or not name or name == AR:
+        raise ValueError(f"a drafter needs a name other than {AR!r}, got {name!r}")
+    DRAFTERS[name] = drafter
+
+
+def drafter_class(name: str):
+    """The class registered as method `name` (importing it on first use)."""
+    entry = DRAFTERS[name]
+    if isinstance(entry, str):
+        module, _, cls = entry.partition(":")
+        entry = DRAFTERS[name] = getattr(importlib.import_module(module), cls)
+    return entry
+

@@ -9,14 +9,13 @@ D head dim, E hidden size, F FFN size, V vocab, L layers.
 """
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tr_engine import reference
 from tr_engine.config import LlamaConfig, rope_inv_freq
+from tr_engine.ops import resolve_ops
 
 
 def fuse_linears_(*linears: nn.Linear) -> torch.Tensor:
@@ -168,14 +167,14 @@ class Llama(nn.Module):
 
     `ops` (tr_engine.ops.load_ops) supplies `linear(x [T, in], w [out, in] or a PackedWeight) -> [T, out]`, which
     computes every projection, and `tree_attention`, the attention of decode and verify steps: the compiled kernels
-    or their pure-PyTorch references (the default here).
+    or their pure-PyTorch references (the default here). The decode loop and the recycling matrix take the same
+    namespace.
     """
 
     def __init__(self, config: LlamaConfig, ops=None):
         super().__init__()
         self.config = config
-        self.ops = ops or SimpleNamespace(linear=F.linear, tree_attention=reference.tree_attention,
-                                          tree_attention_dynamic=reference.tree_attention_dynamic)
+        self.ops = resolve_ops(ops or "reference")
         self.model = LlamaBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head_weight = None  # [V, E], the LM head as the forward uses it (fuse_, pack_)

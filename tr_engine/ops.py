@@ -1,8 +1,13 @@
 """Chooses the implementation of the custom ops: the compiled kernels (`"kernels"`, the default) or their
 pure-PyTorch references (`"reference"`). Both expose the same functions with the same signatures, so one op can be
 swapped for its reference alone: `"kernels,tree_attention=reference"` (the --ops flag takes the same spec).
+
+The ops are one namespace (load_ops), built once per spec and handed to everything that calls them: the model
+(projections, attention), the recycling matrix (recycle_update_) and the decode loop (compact_kv_) all read the same
+one, so a swap reaches every caller.
 """
 
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -10,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tr_engine import reference
-from tr_engine.errors import UserError
+from tr_engine.errors import InvalidType, UserError
 
 OP_NAMES = ("compact_kv_", "skinny_linear", "pack_linear", "packed_linear", "recycle_update_", "tree_attention",
             "tree_attention_dynamic")
@@ -61,7 +66,34 @@ def parse_ops(spec: str) -> tuple[str, dict[str, str]]:
 
 def load_ops(spec: str = "kernels") -> SimpleNamespace:
     """A namespace with one callable per op in OP_NAMES, from the kind `spec` names (parse_ops), each op overridden
-    there taken from its own kind."""
+    there taken from its own kind, plus `linear` and `pack` (the model's projections) and `kind` (the spec). Built
+    once per spec: every later call returns the same namespace."""
+    parse_ops(spec)  # (a bad spec is not cached)
+    return _load_spec(spec)
+
+
+def resolve_ops(ops) -> SimpleNamespace:
+    """An ops namespace from a spec string (load_ops) or a namespace already built (returned as it is, once it has
+    every op): what the model, the matrix, the engine and the loaders accept."""
+    if isinstance(ops, str):
+        return load_ops(ops)
+    missing = [n for n in (*OP_NAMES, "linear", "pack", "kind") if not hasattr(ops, n)]
+    if missing:
+        raise InvalidType(f"ops must be a spec like 'kernels' or a namespace from tr_engine.ops.load_ops; "
+                          f"{type(ops).__name__} lacks {', '.join(missing)}")
+    return ops
+
+
+def is_compiled(ops: SimpleNamespace, name: str) -> bool:
+    """Whether the namespace's op `name` is the compiled kernel (not its reference, nor another stand-in)."""
+    try:
+        return getattr(ops, name) is getattr(torch.ops.tr_engine, name)
+    except (AttributeError, RuntimeError):  # the kernels are not loaded
+        return False
+
+
+@lru_cache(maxsize=None)
+def _load_spec(spec: str) -> SimpleNamespace:
     kind, overrides = parse_ops(spec)
     ops = _load(kind)
     for name, other in overrides.items():
@@ -83,11 +115,10 @@ def _load(kind: str) -> SimpleNamespace:
         ns = SimpleNamespace(kind=kind, linear=reference_linear, pack=None,
                              **{name: getattr(reference, name) for name in OP_NAMES})
         return ns
-    try:
-        import tr_engine._C  # noqa: F401  (registers torch.ops.tr_engine.*)
-    except ImportError as e:
-        raise UserError(f"the compiled ops are not built ({e}); run `make install`, or pass --ops reference")
-    _register_fakes()
+    if KERNELS_MISSING:
+        raise UserError(f"the compiled ops are not built ({KERNELS_MISSING}); run `make install`, or pass --ops "
+                        "reference")
+
     def linear(x: torch.Tensor, w) -> torch.Tensor:
         """x [T, K] @ w.T: packed_linear for a PackedWeight; else F.linear, through skinny_linear for the few rows of a
         CPU decode step or small draft (SKINNY_ROWS). (The ops are read from the namespace: an override holds.)"""
@@ -105,14 +136,13 @@ def _load(kind: str) -> SimpleNamespace:
     return ns
 
 
-_fakes_registered = False
-
-
 def _register_fakes() -> None:
-    """Shape-only versions of the ops that return tensors, so torch.compile and opcheck can trace them."""
-    global _fakes_registered
-    if _fakes_registered:
-        return
+    """Shape-only versions of every op (the mutating ones return nothing), so that torch.compile and opcheck can
+    trace them; registered once, when the library loads."""
+
+    @torch.library.register_fake("tr_engine::compact_kv_")
+    def _(cache, src_slots, dst_start):
+        return None
 
     @torch.library.register_fake("tr_engine::skinny_linear")
     def _(x, w):
@@ -127,6 +157,10 @@ def _register_fakes() -> None:
     def _(x, wp, n):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("tr_engine::recycle_update_")
+    def _(table, tokens, logits):
+        return None
+
     @torch.library.register_fake("tr_engine::tree_attention")
     def _(q, k, v, prefix_len, tree_mask, scale):
         return q.new_empty(q.shape)
@@ -135,4 +169,12 @@ def _register_fakes() -> None:
     def _(q, k, v, prefix_len, tree_mask, scale):
         return q.new_empty(q.shape)
 
-    _fakes_registered = True
+
+# The compiled library registers torch.ops.tr_engine.* when it loads; its fakes go with it.
+try:
+    import tr_engine._C  # noqa: F401
+except ImportError as e:
+    KERNELS_MISSING = str(e) or type(e).__name__  # what load_ops("kernels") reports
+else:
+    KERNELS_MISSING = ""
+    _register_fakes()

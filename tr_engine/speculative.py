@@ -29,9 +29,10 @@ from tr_engine.tree import truncate_tree
 
 @torch.inference_mode()
 def token_recycling_reference(model: Llama, cache: KVCache, prompt_ids: list[int], matrix, tree, max_new_tokens: int,
-                              eos_ids: tuple[int, ...], compact_kv_) -> list[int]:
+                              eos_ids: tuple[int, ...], ops) -> list[int]:
     """Token Recycling, greedy, with a static tree: the paper's algorithm box and nothing else. `matrix` is a
-    RecyclingMatrix (kept across calls: hot start), `tree` a DraftTree on the cache's device. Returns the new ids."""
+    RecyclingMatrix (kept across calls: hot start), `tree` a DraftTree on the cache's device, `ops` the op namespace
+    (tr_engine.ops). Returns the new ids."""
     cache.check_room(len(prompt_ids) + max_new_tokens + tree.size)  # (no cutting the tree near the cache's end)
     out = [int(prefill(model, cache, prompt_ids).argmax())]  # the prompt's K/V cached; the first token
     while len(out) < max_new_tokens and not any(t in eos_ids for t in out):
@@ -49,7 +50,7 @@ def token_recycling_reference(model: Llama, cache: KVCache, prompt_ids: list[int
             node = child
         # compact: the accepted nodes' K/V move next to the root's; the rest of the tree is forgotten
         if path:
-            compact_kv_(cache.data, torch.tensor([L + i for i in path], device=cache.data.device), L + 1)
+            ops.compact_kv_(cache.data, torch.tensor([L + i for i in path], device=cache.data.device), L + 1)
         cache.length = L + 1 + len(path)
         # recycle: every node's top-k candidates become its token's row of the matrix (the last node wins)
         matrix.recycle_(tokens, logits)
@@ -105,12 +106,12 @@ def fits(draft: Draft, cache: KVCache) -> Draft:
     return replace(draft, tree=truncate_tree(draft.tree, room), tokens=draft.tokens[:room])
 
 
-def compact(cache: KVCache, path: list[int], compact_kv_) -> None:
+def compact(cache: KVCache, path: list[int], ops) -> None:
     """Keep the root's and the accepted nodes' K/V, contiguous after the prefix; the rest of the tree is dropped."""
     L = cache.length
     if path:  # the root stays at slot L; accepted node i moves from slot L+i (the kernel skips slots already in place)
         src = torch.tensor([L + i for i in path], device=cache.data.device)
-        compact_kv_(cache.data, src, L + 1)
+        ops.compact_kv_(cache.data, src, L + 1)
     cache.length = L + 1 + len(path)
 
 
@@ -162,12 +163,12 @@ def speculative_steps(
     drafter,
     max_new_tokens: int,
     eos_ids: tuple[int, ...],
-    compact_kv_,
+    ops,
     seed_matrix=None,
     sampler: Sampler | None = None,
 ):
     """Like plain_steps, committing 1..depth+1 tokens per forward and yielding each step's committed tokens, greedy
-    or, with `sampler`, sampled. `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every
+    or, with `sampler`, sampled; `ops` (tr_engine.ops) compacts the cache. `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every
     prefilled position (Token Recycling's optional prompt seeding). Returns the Generation."""
     new = uncached(cache, context_ids)
     # The same room as plain decoding: near the end of the cache a draft is cut to the slots left (fits).
@@ -192,7 +193,7 @@ def speculative_steps(
             else:
                 path, committed = accept_sampled(draft, logits, sampler, len(out))
             clock.lap("accept")
-            compact(cache, path, compact_kv_)
+            compact(cache, path, ops)
             drafter.learn(draft, committed, clock.lap("compact"))  # (the adaptive tree's statistics and step times)
             drafter.recycle(draft, logits)
             clock.lap("recycle")
@@ -210,8 +211,8 @@ def speculative_steps(
                       accept_lengths=accept_lengths, phase_s=clock.seconds, verify_tokens=verify_tokens)
 
 
-def speculative_generate(model, cache, context_ids, drafter, max_new_tokens, eos_ids, compact_kv_,
+def speculative_generate(model, cache, context_ids, drafter, max_new_tokens, eos_ids, ops,
                          seed_matrix=None, sampler: Sampler | None = None) -> Generation:
     """speculative_steps without streaming."""
-    return run_to_end(speculative_steps(model, cache, context_ids, drafter, max_new_tokens, eos_ids, compact_kv_,
+    return run_to_end(speculative_steps(model, cache, context_ids, drafter, max_new_tokens, eos_ids, ops,
                                         seed_matrix, sampler))

@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from tr_engine.config import LlamaConfig
 from tr_engine.errors import UserError, WeightsError
 from tr_engine.model import Llama
-from tr_engine.ops import load_ops, packs
+from tr_engine.ops import packs
 
 # Keys some checkpoints carry that hold no learned weights (old Llama/Vicuna exports save RoPE's inv_freq buffer).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -59,15 +59,15 @@ def safetensors_files(folder: Path) -> list[Path]:
                        "point --model at a Hugging Face model folder")
 
 
-def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", ops: str = "kernels") -> Llama:
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", ops="kernels") -> Llama:
     """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference, its
-    projections and decode/verify attention computed by the `ops` kind (tr_engine.ops)."""
+    projections and decode/verify attention computed by `ops` (tr_engine.ops: a spec like "kernels", or a namespace)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist; pass a Hugging Face model folder or a known model name")
     config = LlamaConfig.from_json(folder / "config.json")
     with torch.device("meta"):
-        model = Llama(config, load_ops(ops))
+        model = Llama(config, ops)
     expected = {name: p.shape for name, p in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -111,12 +111,12 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
     return _ready(model, dtype, device)
 
 
-def random_model(config: LlamaConfig, dtype: torch.dtype = torch.float32, device="cpu", ops: str = "kernels",
+def random_model(config: LlamaConfig, dtype: torch.dtype = torch.float32, device="cpu", ops="kernels",
                  seed: int = 0, std: float = 0.02) -> Llama:
     """A Llama of this config with random weights (normal, `std`; norms 1) made directly on `device`: what the GPU
     check measures a Vicuna-7B-shaped model with where no weights can travel. Ready like load_model's."""
     with torch.device("meta"):
-        model = Llama(config, load_ops(ops))
+        model = Llama(config, ops)
     model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # (after to_empty, which gives each module its own tensor)
         model.lm_head.weight = model.model.embed_tokens.weight
