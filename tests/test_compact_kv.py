@@ -78,11 +78,6 @@ def test_wrong_index_dtype_and_layout_are_refused():
         kernels.compact_kv_(cache.transpose(3, 4), torch.tensor([1]), 0)
 
 
-def test_opcheck():
-    cache = make_cache(torch.float32)
-    torch.library.opcheck(torch.ops.tr_engine.compact_kv_, (cache, torch.tensor([5, 9]), 1))
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES)

@@ -40,3 +40,24 @@ def test_cuda_launchers_compile(tmp_path):
            "-o", str(tmp_path / "ops_cuda.o")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def nvcc_compile(path: Path, out: Path) -> subprocess.CompletedProcess:
+    nvcc = shutil.which("nvcc")
+    assert nvcc, "nvcc is not on PATH: the CUDA compile check needs the CUDA toolkit's compiler"
+    return subprocess.run([nvcc, "-std=c++17", "-c", str(path), "-o", str(out)], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("path", CU_FILES, ids=[p.name for p in CU_FILES])
+def test_a_launcher_that_drifts_from_its_declaration_does_not_compile(path, tmp_path):
+    """Each .cu defines its launcher as tr_engine::launch_* against csrc/cuda/launchers.h, which ops_cuda.cpp calls
+    through: give the definition one more parameter and the kernel file no longer compiles (were it a plain overload,
+    the mismatch would surface only as an undefined symbol when the library loads on a GPU machine)."""
+    source = path.read_text()
+    definition = source.index("tr_engine::launch_")
+    drifted = source[:definition] + source[definition:].replace("cudaStream_t stream)", "cudaStream_t stream, int drift)", 1)
+    assert drifted != source
+    (tmp_path / "launchers.h").write_text((path.parent / "launchers.h").read_text())
+    (tmp_path / path.name).write_text(drifted)
+    proc = nvcc_compile(tmp_path / path.name, tmp_path / "out.o")
+    assert proc.returncode != 0 and "launch_" in proc.stderr, proc.stderr

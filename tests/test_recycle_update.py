@@ -76,11 +76,6 @@ def test_bad_arguments_are_refused(table, tokens, logits, message):
         kernels.recycle_update_(table, tokens, logits)
 
 
-def test_opcheck():
-    table = torch.zeros(50, 4, dtype=torch.long)
-    torch.library.opcheck(torch.ops.tr_engine.recycle_update_, (table, torch.tensor([3, 7]), torch.randn(2, 50)))
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [1, 81, 129])

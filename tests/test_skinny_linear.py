@@ -67,11 +67,6 @@ def test_engine_linear_routes_by_rows():
     torch.testing.assert_close(kernels.linear(x[:1], w), kernels.skinny_linear(x[:1], w), atol=0, rtol=0)
 
 
-def test_opcheck():
-    x, w = operands(3, 64, 32, torch.float32)
-    torch.library.opcheck(torch.ops.tr_engine.skinny_linear, (x, w))
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 16])

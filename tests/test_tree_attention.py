@@ -121,11 +121,6 @@ def test_argument_errors_name_the_argument(change, message):
         kernels.tree_attention(**args)
 
 
-def test_opcheck():
-    q, k, v, g = operands(5, 7, 4, 2, 16, torch.float32)
-    torch.library.opcheck(torch.ops.tr_engine.tree_attention, (q, k, v, 7, random_tree_mask(5, g), 0.25))
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,P,heads,D", [(1, 512, (32, 32), 128), (81, 512, (32, 32), 128), (81, 2048, (9, 3), 64),
@@ -191,12 +186,6 @@ def test_dynamic_prefix_errors(prefix, message):
     q, k, v, _ = operands(3, 5, 4, 2, 8, torch.float32)
     with pytest.raises(RuntimeError, match=message):
         kernels.tree_attention_dynamic(q, k, v, prefix, torch.ones(3, 3, dtype=torch.bool).tril(), 0.5)
-
-
-def test_dynamic_opcheck():
-    q, k, v, g = operands(5, 7, 4, 2, 16, torch.float32)
-    torch.library.opcheck(torch.ops.tr_engine.tree_attention_dynamic,
-                          (q, k, v, torch.tensor([7]), random_tree_mask(5, g), 0.25))
 
 
 @pytest.mark.cuda

@@ -4,21 +4,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "../op_checks.h"
+
 #include <cstring>
 #include <vector>
 
 namespace {
 
 void compact_kv_cpu_(at::Tensor& cache, const at::Tensor& src_slots, int64_t dst_start) {
-  TORCH_CHECK(cache.dim() == 5, "compact_kv_: cache must be [L, 2, Hkv, S, D], got ", cache.dim(), " dims");
-  TORCH_CHECK(cache.is_contiguous(), "compact_kv_: cache must be contiguous");
-  TORCH_CHECK(src_slots.dim() == 1 && src_slots.scalar_type() == at::kLong,
-              "compact_kv_: src_slots must be a 1-D int64 tensor, got ", src_slots.scalar_type(), " with ",
-              src_slots.dim(), " dims");
-  TORCH_CHECK(src_slots.device().is_cpu(), "compact_kv_: src_slots must be on the CPU like cache");
+  tr_engine::check_compact_kv_args(cache, src_slots, dst_start);
   const int64_t S = cache.size(3), n = src_slots.numel();
-  TORCH_CHECK(dst_start >= 0 && dst_start + n <= S, "compact_kv_: dst_start ", dst_start, " + ", n,
-              " slots exceeds the cache capacity ", S);
   const auto src = src_slots.contiguous();
   const int64_t* s = src.data_ptr<int64_t>();
   bool identity = true;

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "../op_checks.h"
 #include "convert.h"
 
 #include <cstdint>
@@ -64,15 +65,8 @@ void recycle_rows(int64_t* table, int64_t k, const int64_t* tokens, const bool* 
 }
 
 void recycle_update_cpu_(at::Tensor& table, const at::Tensor& tokens, const at::Tensor& logits) {
-  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous(),
-              "recycle_update_: table must be a contiguous int64 [V, k] tensor");
-  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "recycle_update_: tokens must be int64 [T]");
-  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == tokens.size(0), "recycle_update_: logits must be [T, V] with T = ",
-              tokens.size(0), ", got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) == table.size(0), "recycle_update_: logits have ", logits.size(1),
-              " columns but the table has ", table.size(0), " rows (the vocabulary sizes differ)");
+  tr_engine::check_recycle_update_args(table, tokens, logits);
   const int64_t k = table.size(1), V = logits.size(1), rows = tokens.size(0);
-  TORCH_CHECK(k >= 1 && k <= V, "recycle_update_: k = ", k, " must be in 1..", V);
   const auto tok = tokens.contiguous();
   const int64_t* t = tok.data_ptr<int64_t>();
   // The duplicate rule: a token's row is written from its last occurrence only (T is ~100, so T^2 is nothing).

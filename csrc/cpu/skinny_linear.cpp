@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "../op_checks.h"
 #include "convert.h"
 
 #include <algorithm>
@@ -144,15 +145,7 @@ void skinny_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* 
 #endif  // __AVX512F__
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "skinny_linear: x must be [T, K] and w [N, K], got ", x.dim(), " and ",
-              w.dim(), " dims");
-  TORCH_CHECK(x.size(1) == w.size(1), "skinny_linear: x is [", x.size(0), ", ", x.size(1), "] but w is [", w.size(0),
-              ", ", w.size(1), "]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "skinny_linear: x has ", x.size(0), " rows; 1..", kMaxRows,
-              " are supported (use a regular matmul for more)");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "skinny_linear: x is ", x.scalar_type(), " but w is ",
-              w.scalar_type());
-  TORCH_CHECK(w.is_contiguous(), "skinny_linear: w must be contiguous [N, K]");
+  tr_engine::check_skinny_linear_args(x, w, kMaxRows);
   const auto xc = x.contiguous();
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
   const int64_t rows = x.size(0), K = x.size(1), N = w.size(0);

@@ -11,7 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "../tree_attention_checks.h"
+#include "../op_checks.h"
 #include "convert.h"
 
 #include <algorithm>
@@ -376,7 +376,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
 // On a CPU the prefix length is simply read: nothing is captured here, so there is nothing to gain by not reading it.
 at::Tensor tree_attention_dynamic_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& prefix_len, const at::Tensor& tree_mask, double scale) {
-  tr_engine::check_dynamic_prefix(prefix_len, q);
+  tr_engine::check_tree_attention_dynamic_args(q, k, v, prefix_len, tree_mask);
   return tree_attention_cpu(q, k, v, prefix_len.item<int64_t>(), tree_mask, scale);
 }
 

@@ -1,26 +1,13 @@
-// Torch-facing launchers for the CUDA kernels in csrc/cuda/*.cu: argument checks, device guard, current stream.
+// Torch-facing launchers for the CUDA kernels in csrc/cuda/*.cu (declared in launchers.h): each op's shared argument
+// checks (csrc/op_checks.h, the same as its CPU kernel's), what the CUDA kernel adds, device guard, current stream.
 // Built only where torch has CUDA (setup.py); the kernels themselves compile without torch.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "../tree_attention_checks.h"
-
-namespace tr_engine {
-cudaError_t launch_compact_kv(void* cache, const int64_t* src_slots, void* scratch, int64_t rows, int64_t n, int64_t S,
-                              int64_t slot_bytes, int64_t dst_start, cudaStream_t stream);
-cudaError_t launch_tree_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
-                                  const void* v, int64_t kv_stride_h, int64_t kv_stride_s, const bool* mask, int T,
-                                  int Hq, int Hkv, int D, int P, const int64_t* prefix_dev, int S, float scale,
-                                  void* out, cudaStream_t stream);
-int tree_attention_max_head_dim();
-cudaError_t launch_recycle_update(int dtype, int64_t* table, const int64_t* tokens, const void* logits, int n_rows,
-                                  int64_t V, int k, cudaStream_t stream);
-int recycle_update_max_k();
-cudaError_t launch_skinny_linear(int dtype, const void* x, const void* w, void* y, int rows, int64_t K, int64_t N,
-                                 cudaStream_t stream);
-}  // namespace tr_engine
+#include "../op_checks.h"
+#include "launchers.h"
 
 namespace {
 
@@ -39,17 +26,11 @@ void check_launch(cudaError_t err, const char* op) {
 }
 
 void compact_kv_cuda_(at::Tensor& cache, const at::Tensor& src_slots, int64_t dst_start) {
-  TORCH_CHECK(cache.dim() == 5, "compact_kv_: cache must be [L, 2, Hkv, S, D], got ", cache.dim(), " dims");
-  TORCH_CHECK(cache.is_contiguous(), "compact_kv_: cache must be contiguous");
-  TORCH_CHECK(src_slots.dim() == 1 && src_slots.scalar_type() == at::kLong,
-              "compact_kv_: src_slots must be a 1-D int64 tensor");
-  TORCH_CHECK(src_slots.device() == cache.device(), "compact_kv_: src_slots must be on ", cache.device());
+  tr_engine::check_compact_kv_args(cache, src_slots, dst_start);
   const int64_t S = cache.size(3), n = src_slots.numel();
-  TORCH_CHECK(dst_start >= 0 && dst_start + n <= S, "compact_kv_: dst_start ", dst_start, " + ", n,
-              " slots exceeds the cache capacity ", S);
   const int64_t slot_bytes = cache.size(4) * cache.element_size();
   TORCH_CHECK(slot_bytes % 4 == 0, "compact_kv_: head_dim * element size must be a multiple of 4 bytes");
-  // Slot indices are not range-checked on the device (that would need a host sync); the engine produces them.
+  // A source slot out of range is skipped by the kernel: checking it here would need a host sync.
   const c10::cuda::CUDAGuard guard(cache.device());
   const int64_t rows = cache.numel() / (S * cache.size(4));
   auto scratch = at::empty({rows * n * slot_bytes}, cache.options().dtype(at::kByte));
@@ -60,10 +41,10 @@ void compact_kv_cuda_(at::Tensor& cache, const at::Tensor& src_slots, int64_t ds
   check_launch(err, "compact_kv_");
 }
 
-// The launch shared by tree_attention (prefix_dev null: prefix_len is the int) and tree_attention_dynamic.
+// The launch shared by tree_attention (prefix_dev null: prefix_len is the int) and tree_attention_dynamic, after
+// their checks.
 at::Tensor tree_attention_launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
                                  const int64_t* prefix_dev, const at::Tensor& tree_mask, double scale, const char* op) {
-  tr_engine::check_tree_attention_args(q, k, v, prefix_len, tree_mask);
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
   TORCH_CHECK(D <= tr_engine::tree_attention_max_head_dim(), op, ": head dim ", D, " exceeds the CUDA kernel's ",
               tr_engine::tree_attention_max_head_dim());
@@ -83,30 +64,23 @@ at::Tensor tree_attention_launch(const at::Tensor& q, const at::Tensor& k, const
 
 at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
                                const at::Tensor& tree_mask, double scale) {
+  tr_engine::check_tree_attention_args(q, k, v, prefix_len, tree_mask);
   return tree_attention_launch(q, k, v, prefix_len, nullptr, tree_mask, scale, "tree_attention");
 }
 
 at::Tensor tree_attention_dynamic_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const at::Tensor& prefix_len, const at::Tensor& tree_mask, double scale) {
-  tr_engine::check_dynamic_prefix(prefix_len, q);
+  tr_engine::check_tree_attention_dynamic_args(q, k, v, prefix_len, tree_mask);
   const auto prefix = prefix_len.contiguous();
   // The shapes are checked as for a prefix of 0 (T <= S); the length itself is read, and clamped, by the kernel.
   return tree_attention_launch(q, k, v, 0, prefix.data_ptr<int64_t>(), tree_mask, scale, "tree_attention_dynamic");
 }
 
 void recycle_update_cuda_(at::Tensor& table, const at::Tensor& tokens, const at::Tensor& logits) {
-  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous(),
-              "recycle_update_: table must be a contiguous int64 [V, k] tensor");
-  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "recycle_update_: tokens must be int64 [T]");
-  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == tokens.size(0), "recycle_update_: logits must be [T, V] with T = ",
-              tokens.size(0), ", got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) >= table.size(1), "recycle_update_: logits have ", logits.size(1),
-              " columns, fewer than k = ", table.size(1));
+  tr_engine::check_recycle_update_args(table, tokens, logits);
   TORCH_CHECK(table.size(1) <= tr_engine::recycle_update_max_k(), "recycle_update_: k = ", table.size(1),
               " exceeds the CUDA kernel's ", tr_engine::recycle_update_max_k());
-  TORCH_CHECK(table.device() == tokens.device() && tokens.device() == logits.device(),
-              "recycle_update_: table, tokens and logits must be on one device");
-  // Token ids are not range-checked on the device (that would need a host sync); the engine produces them.
+  // A token id out of range is skipped by the kernel: checking it here would need a host sync.
   const int code = dtype_code(logits, "recycle_update_");
   const c10::cuda::CUDAGuard guard(table.device());
   const auto toks = tokens.contiguous();
@@ -118,16 +92,7 @@ void recycle_update_cuda_(at::Tensor& table, const at::Tensor& tokens, const at:
 }
 
 at::Tensor skinny_linear_cuda(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "skinny_linear: x must be [T, K] and w [N, K], got ", x.dim(), " and ",
-              w.dim(), " dims");
-  TORCH_CHECK(x.size(1) == w.size(1), "skinny_linear: x is [", x.size(0), ", ", x.size(1), "] but w is [", w.size(0),
-              ", ", w.size(1), "]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 16, "skinny_linear: x has ", x.size(0),
-              " rows; 1..16 are supported (use a regular matmul for more)");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "skinny_linear: x is ", x.scalar_type(), " but w is ",
-              w.scalar_type());
-  TORCH_CHECK(w.is_contiguous(), "skinny_linear: w must be contiguous [N, K]");
-  TORCH_CHECK(x.device() == w.device(), "skinny_linear: x and w must be on one device");
+  tr_engine::check_skinny_linear_args(x, w, tr_engine::skinny_linear_max_rows());
   const int code = dtype_code(x, "skinny_linear");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto xc = x.contiguous();

@@ -7,11 +7,9 @@
 // (the decode loop's duplicate rule), so no two blocks write the same matrix row.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
-#include <cstdint>
+#include "launchers.h"
 
-namespace tr_engine {
 namespace {
 
 constexpr int kThreads = 256;
@@ -31,6 +29,7 @@ __global__ void recycle_update_kernel(int64_t* table, const int64_t* tokens, con
                                       int k) {
   const int row = blockIdx.x, tid = threadIdx.x;
   const int64_t token = tokens[row];
+  if (token < 0 || token >= V) return;  // out of range: skipped (checking on the host would need a sync)
   for (int later = row + 1; later < n_rows; ++later)
     if (tokens[later] == token) return;  // a later node of the same token writes this matrix row
 
@@ -74,10 +73,9 @@ __global__ void recycle_update_kernel(int64_t* table, const int64_t* tokens, con
 
 }  // namespace
 
-int recycle_update_max_k() { return kMaxK; }
+int tr_engine::recycle_update_max_k() { return kMaxK; }
 
-// dtype: 0 float32, 1 float16, 2 bfloat16. Returns the launch error (cudaSuccess when the launch was accepted).
-cudaError_t launch_recycle_update(int dtype, int64_t* table, const int64_t* tokens, const void* logits, int n_rows,
+cudaError_t tr_engine::launch_recycle_update(int dtype, int64_t* table, const int64_t* tokens, const void* logits, int n_rows,
                                   int64_t V, int k, cudaStream_t stream) {
   if (n_rows == 0) return cudaSuccess;
   switch (dtype) {
@@ -97,5 +95,3 @@ cudaError_t launch_recycle_update(int dtype, int64_t* table, const int64_t* toke
   }
   return cudaGetLastError();
 }
-
-}  // namespace tr_engine

@@ -5,11 +5,9 @@
 // x, then reduce them across the warp. The decode step's matmul is a weight stream, so this is a memory-bound GEMV.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
-#include <cstdint>
+#include "launchers.h"
 
-namespace tr_engine {
 namespace {
 
 constexpr int kMaxRows = 16;  // the schema's limit on T
@@ -51,8 +49,9 @@ cudaError_t launch(const void* x, const void* w, void* y, int rows, int64_t K, i
 
 }  // namespace
 
-// dtype: 0 float32, 1 float16, 2 bfloat16; x [rows, K] and w [N, K] contiguous. Returns the launch error.
-cudaError_t launch_skinny_linear(int dtype, const void* x, const void* w, void* y, int rows, int64_t K, int64_t N,
+int tr_engine::skinny_linear_max_rows() { return kMaxRows; }
+
+cudaError_t tr_engine::launch_skinny_linear(int dtype, const void* x, const void* w, void* y, int rows, int64_t K, int64_t N,
                                  cudaStream_t stream) {
   if (rows == 0 || N == 0) return cudaSuccess;
   switch (dtype) {
@@ -62,5 +61,3 @@ cudaError_t launch_skinny_linear(int dtype, const void* x, const void* w, void* 
     default: return cudaErrorInvalidValue;
   }
 }
-
-}  // namespace tr_engine

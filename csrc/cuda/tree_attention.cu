@@ -8,11 +8,9 @@
 // never on the prefix length, which tree_attention_dynamic passes by pointer: a CUDA graph replays it at any prefix.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
-#include <cstdint>
+#include "launchers.h"
 
-namespace tr_engine {
 namespace {
 
 constexpr int kThreads = 128;
@@ -126,11 +124,9 @@ cudaError_t launch(const void* q, int64_t q_stride_t, int64_t q_stride_h, const 
 
 }  // namespace
 
-int tree_attention_max_head_dim() { return kThreads * kMaxDimsPerThread; }
+int tr_engine::tree_attention_max_head_dim() { return kThreads * kMaxDimsPerThread; }
 
-// dtype: 0 float32, 1 float16, 2 bfloat16. The prefix length is P, or *prefix_dev (read on the device, clamped to
-// 0..S-T) when prefix_dev is not null. Returns the launch error (cudaSuccess when the launch was accepted).
-cudaError_t launch_tree_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
+cudaError_t tr_engine::launch_tree_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
                                   const void* v, int64_t kv_stride_h, int64_t kv_stride_s, const bool* mask, int T,
                                   int Hq, int Hkv, int D, int P, const int64_t* prefix_dev, int S, float scale,
                                   void* out, cudaStream_t stream) {
@@ -147,5 +143,3 @@ cudaError_t launch_tree_attention(int dtype, const void* q, int64_t q_stride_t, 
     default: return cudaErrorInvalidValue;
   }
 }
-
-}  // namespace tr_engine

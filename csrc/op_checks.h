@@ -1,0 +1,92 @@
+// The argument checks of every op that has a CPU kernel and a CUDA launcher, one function per op, called first by
+// both (csrc/cpu/*.cpp, csrc/cuda/ops_cuda.cpp) so the two refuse the same inputs with the same messages. The
+// contracts themselves are in registration.cpp; tests/test_op_contract.py feeds every op the inputs refused here, on
+// every device it has, and checks that each backend calls its op's function.
+//
+// What each backend adds on its own: the CPU kernels range-check the indices they read (token ids, cache slots) as they
+// go; the CUDA launchers cannot without a host sync, so their kernels skip an index out of range (nothing is read or
+// written for it). The CUDA launchers also refuse what their kernels cannot do (a head dim or k beyond their register
+// budgets, float64).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace tr_engine {
+
+inline void check_compact_kv_args(const at::Tensor& cache, const at::Tensor& src_slots, int64_t dst_start) {
+  TORCH_CHECK(cache.dim() == 5, "compact_kv_: cache must be [L, 2, Hkv, S, D], got ", cache.dim(), " dims");
+  TORCH_CHECK(cache.is_contiguous(), "compact_kv_: cache must be contiguous");
+  TORCH_CHECK(src_slots.dim() == 1 && src_slots.scalar_type() == at::kLong,
+              "compact_kv_: src_slots must be a 1-D int64 tensor, got ", src_slots.scalar_type(), " with ",
+              src_slots.dim(), " dims");
+  TORCH_CHECK(src_slots.device() == cache.device(), "compact_kv_: src_slots must be on ", cache.device(), " like cache, "
+              "got ", src_slots.device());
+  const int64_t S = cache.size(3), n = src_slots.numel();
+  TORCH_CHECK(dst_start >= 0 && dst_start + n <= S, "compact_kv_: dst_start ", dst_start, " + ", n,
+              " slots exceeds the cache capacity ", S);
+}
+
+inline void check_recycle_update_args(const at::Tensor& table, const at::Tensor& tokens, const at::Tensor& logits) {
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous(),
+              "recycle_update_: table must be a contiguous int64 [V, k] tensor");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "recycle_update_: tokens must be int64 [T]");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == tokens.size(0), "recycle_update_: logits must be [T, V] with T = ",
+              tokens.size(0), ", got ", logits.sizes());
+  TORCH_CHECK(logits.size(1) == table.size(0), "recycle_update_: logits have ", logits.size(1),
+              " columns but the table has ", table.size(0), " rows (the vocabulary sizes differ)");
+  TORCH_CHECK(table.size(1) >= 1 && table.size(1) <= logits.size(1), "recycle_update_: k = ", table.size(1),
+              " must be in 1..", logits.size(1));
+  TORCH_CHECK(table.device() == tokens.device() && tokens.device() == logits.device(),
+              "recycle_update_: table, tokens and logits must be on one device");
+}
+
+// `max_rows`: the most rows the backend's kernel takes.
+inline void check_skinny_linear_args(const at::Tensor& x, const at::Tensor& w, int64_t max_rows) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "skinny_linear: x must be [T, K] and w [N, K], got ", x.dim(), " and ",
+              w.dim(), " dims");
+  TORCH_CHECK(x.size(1) == w.size(1), "skinny_linear: x is [", x.size(0), ", ", x.size(1), "] but w is [", w.size(0),
+              ", ", w.size(1), "]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, "skinny_linear: x has ", x.size(0), " rows; 1..", max_rows,
+              " are supported (use a regular matmul for more)");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "skinny_linear: x is ", x.scalar_type(), " but w is ",
+              w.scalar_type());
+  TORCH_CHECK(w.is_contiguous(), "skinny_linear: w must be contiguous [N, K]");
+  TORCH_CHECK(x.device() == w.device(), "skinny_linear: x and w must be on one device");
+}
+
+inline void check_tree_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      int64_t prefix_len, const at::Tensor& tree_mask) {
+  TORCH_CHECK(q.dim() == 3, "tree_attention: q must be [T, Hq, D], got ", q.dim(), " dims");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3, "tree_attention: k and v must be [Hkv, S, D]");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides(),
+              "tree_attention: k and v must have the same shape and strides, got ", k.sizes(), " and ", v.sizes());
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
+  TORCH_CHECK(k.size(2) == D, "tree_attention: q has head dim ", D, " but k has ", k.size(2));
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "tree_attention: q's ", Hq, " heads are not a multiple of k's ", Hkv);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "tree_attention: q, k and v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "tree_attention: q, k and v need a contiguous last (head) dim");
+  TORCH_CHECK(q.device() == k.device() && k.device() == v.device() && tree_mask.device() == q.device(),
+              "tree_attention: q, k, v and tree_mask must be on one device");
+  TORCH_CHECK(prefix_len >= 0 && prefix_len + T <= S, "tree_attention: prefix_len ", prefix_len, " + T ", T,
+              " exceeds the cache's ", S, " slots");
+  TORCH_CHECK(tree_mask.dim() == 2 && tree_mask.size(0) == T && tree_mask.size(1) == T &&
+                  tree_mask.scalar_type() == at::kBool,
+              "tree_attention: tree_mask must be bool [T, T] = [", T, ", ", T, "], got ", tree_mask.scalar_type(), " ",
+              tree_mask.sizes());
+}
+
+// tree_attention_dynamic: tree_attention's checks (with the prefix length as 0: the CPU reads the length and checks
+// it again; the CUDA kernel clamps it), and its prefix length one int64 on q's device.
+inline void check_tree_attention_dynamic_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& prefix_len, const at::Tensor& tree_mask) {
+  TORCH_CHECK(prefix_len.numel() == 1 && prefix_len.scalar_type() == at::kLong,
+              "tree_attention_dynamic: prefix_len must be a one-element int64 tensor, got ", prefix_len.scalar_type(),
+              " ", prefix_len.sizes());
+  TORCH_CHECK(prefix_len.device() == q.device(), "tree_attention_dynamic: prefix_len must be on ", q.device(),
+              ", got ", prefix_len.device());
+  check_tree_attention_args(q, k, v, 0, tree_mask);
+}
+
+}  // namespace tr_engine

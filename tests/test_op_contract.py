@@ -1,0 +1,220 @@
+"""The contract of every op in the registry (tr_engine.ops.OP_NAMES; schemas and contracts in csrc/registration.cpp),
+on every device this machine has: the kernel agrees with its pure-PyTorch reference (tr_engine/reference.py), passes
+torch.library.opcheck (schema, fake, dispatch), and refuses each input its shared checks (csrc/op_checks.h) exist
+for, with their message; and the sources keep those checks shared: every CPU kernel and CUDA launcher of an op calls
+its op's check function first, and every check in the header has a refused case here.
+
+The per-op files (tests/test_<op>.py) test each kernel in depth: its shapes, dtypes, edge cases and speed paths."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tr_engine import reference
+from tr_engine.ops import OP_NAMES, load_ops
+
+CSRC = Path(__file__).parents[1] / "csrc"
+kernels = load_ops("kernels")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def tree_args(device, dynamic=False):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g).to(device) for shape in ((4, 4, 8), (2, 16, 8), (2, 16, 8)))
+    mask = torch.ones(4, 4, dtype=torch.bool).tril().to(device)
+    prefix = torch.tensor([5], device=device) if dynamic else 5
+    return [q, k, v, prefix, mask, 0.35]
+
+
+def weights(device, n=40, k=64):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def rows(device, t=3, k=64):
+    return torch.randn(t, k, generator=torch.Generator().manual_seed(2)).to(device)
+
+
+# op -> valid arguments on a device. The first argument of an op ending in "_" is the tensor it mutates.
+VALID = {
+    "compact_kv_": lambda d: [torch.randn(2, 2, 2, 16, 8).to(d), torch.tensor([5, 7, 9], device=d), 3],
+    "skinny_linear": lambda d: [rows(d), weights(d)],
+    "pack_linear": lambda d: [weights(d)],
+    "packed_linear": lambda d: [rows(d, 5), reference.pack_linear(weights(d)), 40],
+    "recycle_update_": lambda d: [torch.zeros(50, 4, dtype=torch.long, device=d), torch.tensor([3, 7, 3], device=d),
+                                  torch.randn(3, 50).to(d)],
+    "tree_attention": tree_args,
+    "tree_attention_dynamic": lambda d: tree_args(d, dynamic=True),
+}
+CPU_ONLY = {"pack_linear", "packed_linear"}  # the blocked layout of the CPU matmul
+
+
+def op_device_cases():
+    for name in OP_NAMES:
+        for device in DEVICES:
+            marks = device.marks if not isinstance(device, str) else ()
+            device = device if isinstance(device, str) else device.values[0]
+            if device == "cpu" or name not in CPU_ONLY:
+                yield pytest.param(name, device, marks=marks, id=f"{name}-{device}")
+
+
+def test_every_registered_op_has_a_contract_case():
+    assert set(VALID) == set(OP_NAMES)
+    assert set(OP_NAMES) == set(re.findall(r'm\.def\("(\w+)\(', (CSRC / "registration.cpp").read_text()))
+
+
+@pytest.mark.parametrize("name,device", op_device_cases())
+def test_the_kernel_agrees_with_its_reference(name, device):
+    args = VALID[name](device)
+    theirs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    got, want = getattr(kernels, name)(*args), getattr(reference, name)(*theirs)
+    if name.endswith("_"):  # the mutated tensor is the result
+        got, want = args[0], theirs[0]
+    exact = got.dtype == torch.long or name == "pack_linear"
+    torch.testing.assert_close(got, want, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
+
+
+@pytest.mark.parametrize("name,device", op_device_cases())
+def test_opcheck(name, device):
+    torch.library.opcheck(getattr(torch.ops.tr_engine, name), tuple(VALID[name](device)))
+
+
+def replace(i, value):
+    """A mutation of the valid arguments: argument i replaced by value(args, device)."""
+    def mutate(args, device):
+        args[i] = value(args, device)
+        return args
+    return mutate
+
+
+# (op, the first literal of the check's message in csrc/op_checks.h, the mutation it refuses)
+REFUSED = [
+    ("compact_kv_", "compact_kv_: cache must be [L, 2, Hkv, S, D], got ", replace(0, lambda a, d: a[0][0])),
+    ("compact_kv_", "compact_kv_: cache must be contiguous", replace(0, lambda a, d: a[0].transpose(3, 4))),
+    ("compact_kv_", "compact_kv_: src_slots must be a 1-D int64 tensor, got ",
+     replace(1, lambda a, d: a[1].int())),
+    ("compact_kv_", "compact_kv_: dst_start ", replace(2, lambda a, d: 14)),
+    ("recycle_update_", "recycle_update_: table must be a contiguous int64 [V, k] tensor",
+     replace(0, lambda a, d: a[0].int())),
+    ("recycle_update_", "recycle_update_: tokens must be int64 [T]", replace(1, lambda a, d: a[1].int())),
+    ("recycle_update_", "recycle_update_: logits must be [T, V] with T = ", replace(2, lambda a, d: a[2][:2])),
+    ("recycle_update_", "recycle_update_: logits have ", replace(2, lambda a, d: a[2][:, :40])),
+    ("recycle_update_", "recycle_update_: k = ",
+     lambda a, d: [torch.zeros(2, 4, dtype=torch.long, device=d), a[1][:1], a[2][:1, :2]]),
+    ("skinny_linear", "skinny_linear: x must be [T, K] and w [N, K], got ", replace(0, lambda a, d: a[0][0])),
+    ("skinny_linear", "skinny_linear: x is [", replace(1, lambda a, d: a[1][:, :32])),
+    ("skinny_linear", "skinny_linear: x has ", replace(0, lambda a, d: rows(d, 17))),
+    ("skinny_linear", "skinny_linear: x is ", replace(1, lambda a, d: a[1].double())),
+    ("skinny_linear", "skinny_linear: w must be contiguous [N, K]",
+     replace(1, lambda a, d: weights(d, 64, 40).t())),
+    ("tree_attention", "tree_attention: q must be [T, Hq, D], got ", replace(0, lambda a, d: a[0][0])),
+    ("tree_attention", "tree_attention: k and v must be [Hkv, S, D]", replace(1, lambda a, d: a[1][0])),
+    ("tree_attention", "tree_attention: k and v must have the same shape and strides, got ",
+     replace(2, lambda a, d: a[2][:, :12])),
+    ("tree_attention", "tree_attention: q has head dim ", replace(0, lambda a, d: a[0][:, :, :4])),
+    ("tree_attention", "tree_attention: q's ", replace(0, lambda a, d: a[0][:, :3])),
+    ("tree_attention", "tree_attention: q, k and v must share a dtype, got ", replace(0, lambda a, d: a[0].double())),
+    ("tree_attention", "tree_attention: q, k and v need a contiguous last (head) dim",
+     replace(0, lambda a, d: a[0].transpose(1, 2).contiguous().transpose(1, 2))),
+    ("tree_attention", "tree_attention: prefix_len ", replace(3, lambda a, d: 13)),
+    ("tree_attention", "tree_attention: tree_mask must be bool [T, T] = [", replace(4, lambda a, d: a[4][:3])),
+    ("tree_attention_dynamic", "tree_attention_dynamic: prefix_len must be a one-element int64 tensor, got ",
+     replace(3, lambda a, d: torch.tensor([5, 6], device=d))),
+    ("tree_attention_dynamic", "tree_attention: tree_mask must be bool [T, T] = [",
+     replace(4, lambda a, d: a[4].int())),
+]
+# Checks that need two devices to fail (a CPU tensor beside a CUDA one): refused on a machine with a GPU.
+CROSS_DEVICE = [
+    ("compact_kv_", "compact_kv_: src_slots must be on ", 1),
+    ("recycle_update_", "recycle_update_: table, tokens and logits must be on one device", 1),
+    ("skinny_linear", "skinny_linear: x and w must be on one device", 1),
+    ("tree_attention", "tree_attention: q, k, v and tree_mask must be on one device", 4),
+    ("tree_attention_dynamic", "tree_attention_dynamic: prefix_len must be on ", 3),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,message,mutate", REFUSED, ids=[f"{n}: {m[len(n) + 2:]}" for n, m, _ in REFUSED])
+def test_the_shared_checks_refuse_bad_arguments(name, message, mutate, device):
+    args = mutate(VALID[name](device), device)
+    with pytest.raises(RuntimeError) as e:
+        getattr(kernels, name)(*args)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,message,i", CROSS_DEVICE, ids=[n for n, _, _ in CROSS_DEVICE])
+def test_the_shared_checks_refuse_arguments_on_two_devices(name, message, i):
+    args = VALID[name]("cuda")
+    args[i] = args[i].cpu()
+    with pytest.raises(RuntimeError) as e:
+        getattr(kernels, name)(*args)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_the_cpu_kernels_refuse_indices_out_of_range():
+    cache, src, dst = VALID["compact_kv_"]("cpu")
+    with pytest.raises(RuntimeError, match=r"compact_kv_: src_slots\[1\] = 16 is outside \[0, 16\)"):
+        kernels.compact_kv_(cache, torch.tensor([5, 16, 9]), dst)
+    table, tokens, logits = VALID["recycle_update_"]("cpu")
+    with pytest.raises(RuntimeError, match=r"recycle_update_: tokens\[2\] = 50 is outside \[0, 50\)"):
+        kernels.recycle_update_(table, torch.tensor([3, 7, 50]), logits)
+
+
+@pytest.mark.cuda
+def test_the_cuda_kernels_skip_indices_out_of_range():
+    """What the CUDA kernels do instead of a check that would need a host sync: nothing for that index."""
+    cache, src, dst = VALID["compact_kv_"]("cuda")
+    want = cache.clone()
+    reference.compact_kv_(want, torch.tensor([5, 9], device="cuda"), dst)  # slot 4, the skipped one's, left alone
+    want[:, :, :, dst + 1] = cache[:, :, :, dst + 1]
+    want[:, :, :, dst + 2] = cache[:, :, :, 9]
+    want[:, :, :, dst] = cache[:, :, :, 5]
+    kernels.compact_kv_(cache, torch.tensor([5, 16, 9], device="cuda"), dst)
+    torch.testing.assert_close(cache, want, rtol=0, atol=0)
+    table, tokens, logits = VALID["recycle_update_"]("cuda")
+    kernels.recycle_update_(table, torch.tensor([3, 7, 50], device="cuda"), logits)
+    want = torch.zeros_like(table)
+    reference.recycle_update_(want, torch.tensor([3, 7], device="cuda"), logits[:2])
+    assert torch.equal(table, want)
+
+
+def checked_messages() -> dict[str, list[str]]:
+    """Each check function of csrc/op_checks.h -> the first literal of each of its TORCH_CHECK messages."""
+    text = (CSRC / "op_checks.h").read_text()
+    found = {}
+    for m in re.finditer(r"inline void (check_\w+)\((.*?)\n}\n", text, re.S):
+        found[m.group(1)] = re.findall(r'TORCH_CHECK\(.*?,\s*"((?:[^"\\]|\\.)*)"', m.group(2), re.S)
+    return found
+
+
+def test_every_shared_check_has_a_refused_case():
+    covered = {message for _, message, _ in REFUSED} | {message for _, message, _ in CROSS_DEVICE}
+    messages = [m for ms in checked_messages().values() for m in ms]
+    assert len(messages) >= 25, messages  # the header was read
+    assert not [m for m in messages if m not in covered]
+
+
+def function_body(source: str, name: str) -> str:
+    start = re.search(rf"^\S.*\b{name}\(", source, re.M)
+    assert start, name
+    return source[start.start() : source.index("\n}\n", start.start())]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"], ids=["cpu-sources", "cuda-sources"])  # (no GPU needed)
+def test_every_kernel_calls_its_ops_shared_check(backend):
+    """Every op a backend registers whose contract has shared checks (all but the CPU-only matmul layout) calls its
+    check function in the function it registers: deleting the call from one side fails here, on any machine."""
+    sources = {p: p.read_text() for p in (CSRC / backend).glob("*.cpp")}
+    checks = checked_messages()
+    registered = 0
+    for path, source in sources.items():
+        for op, function in re.findall(r'm\.impl\("(\w+)",\s*&(\w+)\)', source):
+            check = f"check_{op.rstrip('_')}_args"
+            if op in CPU_ONLY:
+                continue
+            assert check in checks, (op, check)
+            assert f"tr_engine::{check}(" in function_body(source, function), (path.name, function, check)
+            registered += 1
+    assert registered == len(OP_NAMES) - len(CPU_ONLY)
