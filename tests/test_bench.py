@@ -1,6 +1,7 @@
 """The benchmark harness end to end on a tiny model: the files it writes and what they say."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +111,23 @@ def test_kernels_bench_takes_its_shapes_from_a_model(tiny_factory, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: nothing is missing")
 def test_kernels_bench_on_a_missing_gpu_is_one_line(tmp_path):
     assert_one_line_error(run_module("bench.kernels", "--device", "cuda", "--out", str(tmp_path)), "no CUDA device")
+
+
+def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
+    """bench.ab with this checkout on both sides: two warm workers, the same questions alternately, the same tokens."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"Say {c} things."]}) + "\n"
+                                 for i, c in enumerate(["writing", "qa", "rag"])))
+    out = tmp_path / "ab" / "run"
+    repo = str(Path(__file__).parents[1])
+    proc = run_module("bench.ab", "--before", repo, "--after", repo, "--model", str(tiny_factory("bench-ab")),
+                      "--dtypes", "float32", "--questions", "3", "--questions-file", str(questions),
+                      "--max-new-tokens", "6", "--threads", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.with_suffix(".json").read_text())["float32"]
+    assert data["questions"] == 3 and data["identical"] == 3
+    assert [r["question_id"] for r in data["rows"]] == [0, 1, 2]
+    assert all(r["before_s"] > 0 and r["after_s"] > 0 and 1 <= r["tokens"] <= 6 for r in data["rows"])
+    assert "| float32 |" in out.with_suffix(".md").read_text() and "3/3 |" in proc.stdout
+    bad = run_module("bench.ab", "--before", str(tmp_path / "nowhere"), "--out", str(out))
+    assert_one_line_error(bad, "nowhere", "not a tr-engine checkout")

@@ -1,0 +1,157 @@
+"""Two checkouts of tr-engine, interleaved question by question: did a change move decode speed, and are the tokens
+the same? (A refactor's before/after, or a kernel change's.)
+
+    python -m bench.ab --before /tmp/before --after . --dtypes bfloat16 float32 --questions 24
+
+Each checkout answers in its own worker process (its own tr_engine, imported from that folder; build its op library
+there first: `python setup.py build_ext --inplace`), loaded once and kept warm, so the two alternate question by
+question (A B, then B A) and share whatever drift the machine has. Both start from an empty recycling matrix and see
+the same questions in the same order, so a lossless engine gives both the same tokens. Reported: tokens per second of
+each over the whole run, their ratio, the median and spread of the per-question ratios, and how many answers are
+identical.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+SIDES = ("before", "after")
+
+
+def worker() -> None:
+    """The worker: a config line on stdin, then one prompt per line; one JSON answer per line on stdout."""
+    from tr_engine.engine import Engine
+
+    config = json.loads(sys.stdin.readline())
+    engine = Engine.from_pretrained(config["model"], dtype=config["dtype"], threads=config["threads"])
+    engine.cost_model()  # measured (or loaded) before the first timed question
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        r = engine.generate(json.loads(line), config["max_new_tokens"], method=config["method"])
+        g = r.generation
+        print(json.dumps({"token_ids": r.token_ids, "seconds": g.prefill_s + g.decode_s}), flush=True)
+
+
+class Worker:
+    def __init__(self, checkout: Path, config: dict):
+        env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], cwd=checkout, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.ask(config)
+
+    def ask(self, message) -> dict:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"a worker ended early (exit {self.proc.wait()}); see its error above")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def run(args) -> dict:
+    from bench.specbench import group_of, load_questions
+
+    questions = load_questions(args.questions_file, None, None)
+    chosen = questions[:: max(len(questions) // args.questions, 1)][: args.questions]
+    out = {}
+    for dtype in args.dtypes:
+        config = dict(model=args.model, dtype=dtype, threads=args.threads, method=args.method,
+                      max_new_tokens=args.max_new_tokens)
+        workers = {side: Worker(Path(getattr(args, side)), config) for side in SIDES}
+        rows = []
+        try:
+            for i, q in enumerate(chosen):
+                prompt = [{"role": "user", "content": q["turns"][0]}]
+                order = SIDES if i % 2 == 0 else SIDES[::-1]
+                answers = {side: workers[side].ask(prompt) for side in order}
+                rows.append({"question_id": q.get("question_id"), "group": group_of(q["category"]),
+                             **{f"{s}_s": answers[s]["seconds"] for s in SIDES},
+                             "tokens": len(answers["after"]["token_ids"]),
+                             "identical": answers["before"]["token_ids"] == answers["after"]["token_ids"]})
+                print(f"{dtype} {i + 1}/{len(chosen)} {rows[-1]['group']}: before {rows[-1]['before_s']:.2f}s "
+                      f"after {rows[-1]['after_s']:.2f}s", file=sys.stderr)
+        finally:
+            for w in workers.values():
+                w.close()
+        tokens = sum(r["tokens"] for r in rows)
+        speed = {s: tokens / sum(r[f"{s}_s"] for r in rows) for s in SIDES}
+        ratios = sorted(r["before_s"] / r["after_s"] for r in rows)
+        out[dtype] = {"rows": rows, "tokens_per_s": speed, "speed_ratio": speed["after"] / speed["before"],
+                      "median_ratio": statistics.median(ratios), "ratio_range": [ratios[0], ratios[-1]],
+                      "identical": sum(r["identical"] for r in rows), "questions": len(rows)}
+    return out
+
+
+def describe(checkout: Path) -> str:
+    """A checkout's commit (with -dirty when it has changes), or its folder where git cannot say."""
+    git = ["git", "-C", str(checkout)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return str(checkout)
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def write(path: Path, data: dict, info: dict, args) -> str:
+    from bench.machine import machine_line
+
+    before, after = describe(args.before), describe(args.after)
+    lines = [f"# Before ({before}) and after ({after})", "",
+             f"{machine_line(info)}. {args.method}, greedy, {args.max_new_tokens} new tokens at most, {args.threads} "
+             f"threads; {args.questions} questions of {args.questions_file.name} (first turns), interleaved question "
+             "by question in two warm processes, each from an empty matrix.", "",
+             "| dtype | before tok/s | after tok/s | after/before | per-question median (min-max) | identical |",
+             "|---|---|---|---|---|---|"]
+    for dtype, d in data.items():
+        lines.append(f"| {dtype} | {d['tokens_per_s']['before']:.2f} | {d['tokens_per_s']['after']:.2f} | "
+                     f"{d['speed_ratio']:.3f}x | {d['median_ratio']:.3f}x ({d['ratio_range'][0]:.2f}-"
+                     f"{d['ratio_range'][1]:.2f}) | {d['identical']}/{d['questions']} |")
+    text = "\n".join(lines) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".md").write_text(text)
+    meta = {"before": before, "after": after, "method": args.method,
+            "max_new_tokens": args.max_new_tokens, "threads": args.threads}
+    path.with_suffix(".json").write_text(json.dumps({"machine": info, **meta, **data}, indent=2) + "\n")
+    return text
+
+
+def main(argv=None) -> int:  # (the imports here, not at the top: a worker imports its own checkout's tr_engine alone)
+    from bench.machine import machine_info
+    from bench.specbench import DEFAULT_QUESTIONS
+    from tr_engine.cli import ArgumentParser
+
+    ap = ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", type=Path, required=True, help="the checkout to compare against (its ops built)")
+    ap.add_argument("--after", type=Path, default=Path("."), help="the checkout with the change (default: here)")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--method", default="hybrid")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--questions", type=int, default=24, help="questions, spread over the file")
+    ap.add_argument("--questions-file", type=Path, default=DEFAULT_QUESTIONS)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ab")
+    args = ap.parse_args(argv)
+    for side in SIDES:
+        if not (getattr(args, side) / "tr_engine").is_dir():
+            ap.error(f"--{side} {getattr(args, side)} is not a tr-engine checkout (no tr_engine/ folder)")
+    info = machine_info()
+    print(write(args.out, run(args), info, args))
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        worker()
+    else:
+        from tr_engine.cli import run as run_cli
+
+        raise SystemExit(run_cli(main))
