@@ -100,8 +100,8 @@ class StepTimes:
     from the decode loop's own clock.
 
     The curve is measured once, in a tight loop; the steps it prices run later, amid the loop's own work, on a machine
-    whose speed drifts (this CPU's plain step ranges over 11-16 ms as its neighbours' load changes, and the relative
-    cost of 8 tokens over 1.2-1.55 with it). Each step's measured seconds over the curve's prediction for its size
+    whose speed drifts (a shared CPU's plain step, and the relative cost of a bigger verify with it, move as its
+    neighbours' load changes: bench/results/forward_cost_*.md shows the spread). Each step's measured seconds over the curve's prediction for its size
     update its bucket's factor (a decayed mean; single outliers, a preemption say, are clipped to 2x). A bucket not
     stepped yet borrows the factor of the nearest one that was (the bigger one on a tie), so a curve that drifted up
     makes the unexplored sizes look dearer too, and one that drifted down gets them tried."""

@@ -1,8 +1,8 @@
 """What a verify step costs on this machine, in plain decode steps, by the number of tokens it verifies.
 
 A draft tree pays only if the tokens it gets accepted outweigh its cost, and that cost is a property of the hardware,
-model, dtype and thread count: on an A100 an 81-token verify costs about 1.3 plain steps, on this project's 2-core CPU
-about 8 (bench/results/forward_cost_*.md). So the adaptive tree (tr_engine/adaptive.py) reads a cost curve measured
+model, dtype and thread count: on the paper's A100 an 81-token verify costs little more than a plain step, on a small
+CPU several (bench/results/forward_cost_*.md). So the adaptive tree (tr_engine/adaptive.py) reads a cost curve measured
 where the engine runs: a few seconds of timed steps at first use, cached as JSON under $TR_ENGINE_HOME/costs/ per
 model, dtype, device, threads and ops, and measured again when any of those (or the torch version, the CPU or the
 compiled kernels) changes, or on `--recalibrate`.

@@ -246,7 +246,8 @@ class Llama(nn.Module):
         elif tree_mask is not None:
             mask = AttentionMask(tree=tree_mask)
         elif T == 1 and device.type == "cpu":
-            # A CPU decode step is a one-node tree: the op is ~2x faster than PyTorch's fused attention for one query.
+            # A CPU decode step is a one-node tree: the op beats PyTorch's fused attention for one query at the
+            # prefixes a chat reaches (bench/results/kernels_cpu.md).
             mask = AttentionMask(tree=torch.ones(1, 1, dtype=torch.bool, device=device))
         elif T == 1:
             mask = AttentionMask()  # a GPU decode step: PyTorch's fused attention, nothing to mask

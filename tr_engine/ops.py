@@ -22,10 +22,9 @@ OP_NAMES = ("compact_kv_", "skinny_linear", "pack_linear", "packed_linear", "rec
 KINDS = ("kernels", "reference")
 # On a CPU, float32, bfloat16 and float16 models keep their projections packed (pack_linear, at load time) and
 # multiply with packed_linear at every row count: each 32-row block of a weight is read once and applied to up to 12
-# rows of x from registers, so the matmuls of a 12-token verify cost 1.1x (fp32) or 1.5x (bf16) those of one token,
-# and it beats oneDNN's F.linear from 1 row to a 512-token prefill (all of SmolLM2's projections,
-# bench/results/kernels_cpu.md: bf16 3.4x at 1 row, 2.5x at 12, 1.3x at 81, 1.07x at 512). Each output is one sum in
-# a fixed order whatever the other rows, so a verify's projections are bit for bit a decode step's.
+# rows of x from registers, so a small verify's matmuls cost little more than one token's, and it beats oneDNN's
+# F.linear from one row to a whole prefill (bench/results/kernels_cpu.md, all of SmolLM2's projections). Each output
+# is one sum in a fixed order whatever the other rows, so a verify's projections are bit for bit a decode step's.
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Unpacked CPU weights (a weight passed as a plain tensor): skinny_linear for up to this many rows, else F.linear
 # (which GPU weights always take).

@@ -8,11 +8,9 @@
 // accumulators (the AVX512-BF16 dot product for bf16: two products per fp32 lane; an FMA for fp32, and for fp16
 // after converting the weights in registers: this CPU has no fp16 arithmetic). 2 weight loads
 // feed 2 x R multiply-adds, R up to 12 rows of x, and nothing needs a horizontal sum: the accumulators are the
-// outputs. Measured on all of SmolLM2's projections (30 layers + LM head, weights streamed from memory, 2 threads;
-// bench/results/kernels_cpu.md): fp32 12 rows cost 1.1x one row (memory-bound), bf16 1.5x (half the bytes, so the
-// dot products catch up with memory by ~6 rows and then run at ~75-85% of the 2 cores' peak); against oneDNN's
-// F.linear 3.4x faster at 1 bf16 row, 2.5x at 12, 1.3x at 81, 1.07x at 512 (skinny_linear's row-major tiles, with a
-// horizontal sum per output: 0.83x F.linear at 12 rows).
+// outputs. So fp32 stays memory-bound up to 12 rows, and bf16 (half the bytes) until its dot products catch up with
+// memory; what that buys against oneDNN's F.linear and skinny_linear's row-major tiles, on all of SmolLM2's
+// projections, is measured by `make bench-kernels` (bench/results/kernels_cpu.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

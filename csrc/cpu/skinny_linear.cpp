@@ -1,8 +1,7 @@
 // CPU kernel of tr_engine::skinny_linear: y = x @ w.T for the 1-16 rows of a decode step or a small draft tree, where
 // reading w from memory is the whole cost of one row, and must stay most of it for 16. Each weight row is streamed once,
-// front to back, and every row of x is reduced against it while it sits in L1 (MKL's sgemv reaches about half this
-// machine's bandwidth on these shapes, and oneDNN's few-row bf16 GEMM costs ~2 plain steps at 2 rows;
-// bench/results/kernels_cpu.md). With AVX-512 (the build is -march=native): register tiles of 4 x rows by 4 weight
+// front to back, and every row of x is reduced against it while it sits in L1 (stock sgemv and oneDNN's few-row GEMM
+// fall well short of the memory bandwidth on these shapes: bench/results/kernels_cpu.md). With AVX-512 (the build is -march=native): register tiles of 4 x rows by 4 weight
 // rows, fp32 FMAs, or for bf16 the AVX512-BF16 dot product (two bf16 products per fp32 lane, summed exactly into
 // fp32). Elsewhere, plain loops the compiler vectorises.
 #include <ATen/ATen.h>
