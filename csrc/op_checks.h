@@ -89,4 +89,31 @@ inline void check_tree_attention_dynamic_args(const at::Tensor& q, const at::Ten
   check_tree_attention_args(q, k, v, 0, tree_mask);
 }
 
+// tree_attention_batch: the batch's shape (each sequence's own rows are then checked as tree_attention's). k, v are
+// one layer of the batch cache, [N, Hkv, S, D]; slots, prefix_lens and offsets are host lists.
+inline void check_tree_attention_batch_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            at::IntArrayRef slots, at::IntArrayRef prefix_lens,
+                                            at::IntArrayRef offsets, const at::Tensor& tree_masks) {
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "tree_attention_batch: k and v must be [N, Hkv, S, D], got ", k.dim(),
+              " and ", v.dim(), " dims");
+  const int64_t B = static_cast<int64_t>(slots.size());
+  TORCH_CHECK(static_cast<int64_t>(prefix_lens.size()) == B && static_cast<int64_t>(offsets.size()) == B + 1,
+              "tree_attention_batch: B slots need B prefix_lens and B + 1 offsets; got ", B, ", ", prefix_lens.size(),
+              " and ", offsets.size());
+  TORCH_CHECK(q.dim() == 3 && offsets[0] == 0 && offsets[B] == q.size(0),
+              "tree_attention_batch: offsets must run from 0 to q's ", q.dim() == 3 ? q.size(0) : -1, " rows");
+  int64_t masks = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(slots[b] >= 0 && slots[b] < k.size(0), "tree_attention_batch: slots[", b, "] = ", slots[b],
+                " is outside the cache's ", k.size(0), " slots");
+    for (int64_t c = 0; c < b; ++c)
+      TORCH_CHECK(slots[c] != slots[b], "tree_attention_batch: two sequences share slot ", slots[b]);
+    TORCH_CHECK(offsets[b + 1] >= offsets[b], "tree_attention_batch: offsets must not decrease");
+    masks += (offsets[b + 1] - offsets[b]) * (offsets[b + 1] - offsets[b]);
+  }
+  TORCH_CHECK(tree_masks.dim() == 1 && tree_masks.scalar_type() == at::kBool && tree_masks.numel() == masks,
+              "tree_attention_batch: tree_masks must be bool [", masks, "] (each sequence's T_b x T_b mask, "
+              "flattened), got ", tree_masks.scalar_type(), " ", tree_masks.sizes());
+}
+
 }  // namespace tr_engine

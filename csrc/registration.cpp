@@ -45,6 +45,14 @@ TORCH_LIBRARY(tr_engine, m) {
   // (checking it there would need a host sync), so the caller keeps prefix_len + T <= S.
   m.def("tree_attention_dynamic(Tensor q, Tensor k, Tensor v, Tensor prefix_len, Tensor tree_mask, float scale) -> "
         "Tensor");
+
+  // tree_attention for a ragged batch of B sequences in one call: sequence b's T_b = offsets[b+1] - offsets[b] new
+  // tokens are rows offsets[b].. of q [T, Hq, D], its cache is slot slots[b] of k, v [N, Hkv, S, D] (one layer of
+  // the batch cache, new K/V already at slots prefix_lens[b]..), and its tree mask is the T_b x T_b block of
+  // tree_masks, bool [sum T_b^2], at sum_{c<b} T_c^2 (row-major). Each sequence's rows are exactly tree_attention's
+  // on its own slot (on a CPU bit for bit: rows are independent of whatever rides with them). Returns [T, Hq, D].
+  m.def("tree_attention_batch(Tensor q, Tensor k, Tensor v, int[] slots, int[] prefix_lens, int[] offsets, "
+        "Tensor tree_masks, float scale) -> Tensor");
 }
 
 // `import tr_engine._C` loads this library, which runs the registrations above; the module itself is empty.

@@ -46,7 +46,17 @@ VALID = {
                                   torch.randn(3, 50).to(d)],
     "tree_attention": tree_args,
     "tree_attention_dynamic": lambda d: tree_args(d, dynamic=True),
+    "tree_attention_batch": lambda d: batch_args(d),
 }
+
+
+def batch_args(device):
+    """Two sequences of 3 and 2 rows in slots 2 and 0 of a 3-slot cache, after 5 and 0 cached tokens."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*shape, generator=g).to(device) for shape in ((5, 4, 8), (3, 2, 16, 8), (3, 2, 16, 8)))
+    masks = torch.cat([torch.ones(3, 3, dtype=torch.bool).tril().reshape(-1),
+                       torch.eye(2, dtype=torch.bool).reshape(-1)])
+    return [q, k, v, [2, 0], [5, 0], [0, 3, 5], masks.to(device), 0.35]
 CPU_ONLY = {"pack_linear", "packed_linear"}  # the blocked layout of the CPU matmul
 
 
@@ -123,6 +133,17 @@ REFUSED = [
      replace(3, lambda a, d: torch.tensor([5, 6], device=d))),
     ("tree_attention_dynamic", "tree_attention: tree_mask must be bool [T, T] = [",
      replace(4, lambda a, d: a[4].int())),
+    ("tree_attention_batch", "tree_attention_batch: k and v must be [N, Hkv, S, D], got ",
+     replace(1, lambda a, d: a[1][0])),
+    ("tree_attention_batch", "tree_attention_batch: B slots need B prefix_lens and B + 1 offsets; got ",
+     replace(4, lambda a, d: [5])),
+    ("tree_attention_batch", "tree_attention_batch: offsets must run from 0 to q's ",
+     replace(5, lambda a, d: [0, 3, 4])),
+    ("tree_attention_batch", "tree_attention_batch: slots[", replace(3, lambda a, d: [3, 0])),
+    ("tree_attention_batch", "tree_attention_batch: two sequences share slot ", replace(3, lambda a, d: [0, 0])),
+    ("tree_attention_batch", "tree_attention_batch: offsets must not decrease", replace(5, lambda a, d: [0, 6, 5])),
+    ("tree_attention_batch", "tree_attention_batch: tree_masks must be bool [", replace(6, lambda a, d: a[6][:-1])),
+    ("tree_attention_batch", "tree_attention: prefix_len ", replace(4, lambda a, d: [14, 0])),
 ]
 # Checks that need two devices to fail (a CPU tensor beside a CUDA one): refused on a machine with a GPU.
 CROSS_DEVICE = [

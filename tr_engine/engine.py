@@ -15,11 +15,12 @@ import torch
 from tr_engine import checks
 from tr_engine.decode import Generation, plain_steps, run_to_end
 from tr_engine.adaptive import AdaptiveTrees
+from tr_engine.batch import Request, batch_steps
 from tr_engine.cost import BUCKETS, CostModel, cost_key, cost_path
 from tr_engine.drafters import DrafterSetup
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.graphs import StepGraphs, graph_buckets
-from tr_engine.kv_cache import KVCache
+from tr_engine.kv_cache import BatchKVCache, KVCache
 from tr_engine.matrix import RecyclingMatrix
 from tr_engine.methods import ADAPTIVE, AR, DEFAULT_METHOD, DRAFTERS, drafter_class, methods
 from tr_engine.model import Llama
@@ -33,6 +34,8 @@ from tr_engine.weights import load_model, parse_dtype
 
 
 DEFAULT_MAX_CONTEXT = 8192  # cache capacity when the model allows more; --max-context raises it
+DEFAULT_MAX_BATCH = 8  # sequences decoded together by generate_batch (--batch)
+DEFAULT_BATCH_CONTEXT = 2048  # each batched sequence's cache capacity unless --max-context says otherwise
 
 
 @dataclass
@@ -41,6 +44,7 @@ class GenerateResult:
     token_ids: list[int]
     prompt_ids: list[int]
     generation: Generation
+    error: str | None = None  # a request of a batch that could not run: why, in one line (nothing generated)
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,7 +81,8 @@ class GenerateResult:
 class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, tree: str = ADAPTIVE,
                  matrix_k: int = 8, method: str = DEFAULT_METHOD, seed: int | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                 batch_context: int | None = None):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
         # The ops (tr_engine.ops), one namespace for the model, the matrix and the decode loop: the model's.
         self.ops = model.ops
@@ -107,6 +112,10 @@ class Engine:
         self._cost: CostModel | None = None
         self.on_calibrate = None  # called (no arguments) just before the cost curve is measured: a notice, say
         self.drafters = {}  # method -> the drafter generate/stream use for it, on the engine's matrix (drafter())
+        # Batched decoding (generate_batch): up to max_batch sequences a forward, each in a cache of batch_context.
+        self.max_batch = checks.integer(max_batch, "--batch", 1)
+        self.batch_context = min(batch_context or DEFAULT_BATCH_CONTEXT, max_context)
+        self._batch_cache: BatchKVCache | None = None
 
     def drafter(self, method: str):
         """The engine's drafter for `method` (a registered drafter's name), made on first use; the drafters of
@@ -176,6 +185,7 @@ class Engine:
         method: str = DEFAULT_METHOD,
         seed: int | None = None,
         cuda_graphs: bool | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> "Engine":
         if not isinstance(name_or_path, (str, Path)):
             raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
@@ -190,6 +200,7 @@ class Engine:
             raise InvalidType(f"tree must be 'adaptive', a tree name or a tree file path, got {type(tree).__name__}")
         check_method(method)
         check_seed(seed)
+        checks.integer(max_batch, "--batch", 1)
         if threads is not None:
             torch.set_num_threads(checks.integer(threads, "--threads", 1, checks.usable_cpus()))
         if max_context is not None:
@@ -204,7 +215,7 @@ class Engine:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
         return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), str(tree), matrix_k,
-                   method, seed, cuda_graphs)
+                   method, seed, cuda_graphs, max_batch, max_context)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages
@@ -289,6 +300,68 @@ class Engine:
         text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
         return GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, ids, gen)
 
+    def generate_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
+                       method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                       seed: int | None = None) -> list[GenerateResult]:
+        """Answer many prompts at once, up to the engine's max_batch in each forward (more are queued and join as
+        others finish): one GenerateResult per prompt, in order, each with exactly the tokens generate() gives that
+        prompt alone (sampled: with `seed` + its index as its seed). A prompt that cannot run (empty, too long for
+        the batch's per-sequence cache) gets a result with `error` set and no tokens; the others finish."""
+        return run_to_end(self.stream_batch(prompts, max_new_tokens, chat_template, method, temperature=temperature,
+                                            top_k=top_k, top_p=top_p, seed=seed))
+
+    def stream_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
+                     method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                     seed: int | None = None):
+        """Like generate_batch, yielding (prompt index, text piece) as each request's tokens are accepted; returns
+        the results (`results = yield from engine.stream_batch(…)`)."""
+        sampling = Sampling(temperature, top_k, top_p)
+        checks.integer(max_new_tokens, "max_new_tokens", 1)
+        check_seed(seed)
+        method = check_method(method or self.method)
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidType(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        results: list[GenerateResult | None] = [None] * len(prompts)
+        requests, decoders = [], {}
+        for i, prompt in enumerate(prompts):
+            try:
+                ids = self.prompt_ids(prompt, chat_template)
+            except UserError as e:
+                results[i] = failed(f"prompt {i}: {e}")
+                continue
+            request_seed = None if seed is None else (seed + i) % (checks.MAX_SEED + 1)
+            requests.append(Request(i, ids, max_new_tokens, self.sampler(sampling, request_seed)))
+            decoders[i] = StreamDecoder(self.tokenizer, ids)
+        drafter = None if method == AR else self.drafter(method)
+        adaptive = getattr(drafter, "adaptive", None)
+        if adaptive is not None and not adaptive.pinned:
+            adaptive.cost = self.cost_model()
+        eos = self.tokenizer.eos_ids
+        prompt_of = {r.id: r.prompt_ids for r in requests}
+        for event in batch_steps(self.model, self.batch_cache(), requests, drafter, eos, self.ops):
+            i = event.request
+            if event.error is not None:
+                results[i] = failed(f"prompt {i}: {event.error}")
+                continue
+            piece = decoders[i].push([t for t in event.tokens if t not in eos])
+            if piece:
+                yield i, piece
+            if event.done is not None:
+                tail = decoders[i].flush()
+                if tail:
+                    yield i, tail
+                gen = event.done
+                text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
+                results[i] = GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, prompt_of[i], gen)
+        return results
+
+    def batch_cache(self) -> BatchKVCache:
+        """The batch's caches (max_batch slots of batch_context tokens), allocated at the first batch."""
+        if self._batch_cache is None:
+            self._batch_cache = BatchKVCache(self.model.config, self.max_batch, self.batch_context, self.model.dtype,
+                                             self.model.device)
+        return self._batch_cache
+
     def decode_steps(self, ids: list[int], max_new_tokens: int, method: str | None = None,
                      seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None,
                      sampling: Sampling = GREEDY, seed: int | None = None):
@@ -333,6 +406,11 @@ class Engine:
         """Forget the cached conversation (the next call prefills its whole prompt)."""
         self.cache.reset()
         self.cached_ids = []
+
+
+def failed(error: str) -> GenerateResult:
+    """The result of a batch's request that could not run."""
+    return GenerateResult("", [], [], Generation([], "error", 0, 0.0, 0.0, 0), error=error)
 
 
 def check_method(method: str) -> str:

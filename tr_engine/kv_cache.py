@@ -31,3 +31,43 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+    @classmethod
+    def over(cls, data: torch.Tensor) -> "KVCache":
+        """A cache over an existing [L, 2, Hkv, S, D] tensor (one slot of a BatchKVCache), empty."""
+        cache = cls.__new__(cls)
+        cache.data, cache.length = data, 0
+        return cache
+
+
+class BatchKVCache:
+    """The caches of up to N sequences decoded together: one tensor [N, L, 2, Hkv, S, D], slot b a contiguous
+    [L, 2, Hkv, S, D] cache of its own (view(b), a KVCache with its own length: prefill and compaction work on it as
+    on a single sequence's), and a batched forward reads and writes every slot at once (model.RaggedBatch)."""
+
+    def __init__(self, config: LlamaConfig, slots: int, capacity: int, dtype: torch.dtype, device):
+        shape = (slots, config.num_hidden_layers, 2, config.num_key_value_heads, capacity, config.head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.views = [KVCache.over(self.data[b]) for b in range(slots)]
+        self._free = list(range(slots))
+
+    @property
+    def slots(self) -> int:
+        return self.data.shape[0]
+
+    def view(self, slot: int) -> KVCache:
+        return self.views[slot]
+
+    def free(self) -> int:
+        """How many slots are free."""
+        return len(self._free)
+
+    def take(self) -> int:
+        """The lowest free slot, emptied, now in use."""
+        self._free.sort()
+        slot = self._free.pop(0)
+        self.views[slot].reset()
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        self._free.append(slot)

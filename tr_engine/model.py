@@ -74,6 +74,21 @@ class AttentionMask:
     tree: torch.Tensor | None = None
     folded: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    batch: "RaggedBatch | None" = None  # a batched forward: each sequence's rows in its own cache slot
+
+
+@dataclass(frozen=True)
+class RaggedBatch:
+    """Where the rows of a batched forward belong (tr_engine/batch.py): sequence b is rows offsets[b]..offsets[b+1],
+    in cache slot slots[b] after prefix_lens[b] cached tokens, with its tree mask (T_b x T_b) flattened into
+    tree_masks, bool [sum T_b^2]; seq and pos, int64 [T]: each row's slot and the cache position its K/V go to."""
+
+    slots: list[int]
+    prefix_lens: list[int]
+    offsets: list[int]
+    tree_masks: torch.Tensor
+    seq: torch.Tensor
+    pos: torch.Tensor
 
 
 class Attention(nn.Module):
@@ -98,11 +113,19 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv, start, mask: "AttentionMask", ops):
         """x [T, E]; kv [2, Hkv, S, D] this layer's cache, new K/V written at slots start..start+T-1. `start` is an
-        int, or a one-element int64 tensor on the device with the slots in `mask.slots` (a replayable step)."""
+        int, or a one-element int64 tensor on the device with the slots in `mask.slots` (a replayable step). A batched
+        forward (mask.batch) has kv [N, 2, Hkv, S, D], every slot's cache of this layer."""
         T, D, Hq, Hkv = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
         qkv = ops.linear(x, self.qkv_weight).view(T, Hq + 2 * Hkv, D)  # [T, Hq + 2 Hkv, D]: q heads, then k, then v
         qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq + Hkv, D], q and k rotated together
         k_new, v_new = qk[:, Hq:].transpose(0, 1), qkv[:, Hq + Hkv :].transpose(0, 1)  # [Hkv, T, D] each
+        if mask.batch is not None:  # each row to its sequence's slot and position, then each sequence's attention
+            b = mask.batch
+            kv[b.seq, 0, :, b.pos] = qk[:, Hq:]
+            kv[b.seq, 1, :, b.pos] = qkv[:, Hq + Hkv :]
+            o = ops.tree_attention_batch(qk[:, :Hq], kv[:, 0], kv[:, 1], b.slots, b.prefix_lens, b.offsets,
+                                         b.tree_masks, D**-0.5)  # [T, Hq, D]
+            return ops.linear(o.reshape(T, Hq * D), self.o_weight)
         if mask.slots is not None:  # the prefix length lives on the device: a step a CUDA graph replays anywhere
             kv[0].index_copy_(1, mask.slots, k_new)
             kv[1].index_copy_(1, mask.slots, v_new)
@@ -221,6 +244,7 @@ class Llama(nn.Module):
         start: int | torch.Tensor,
         tree_mask: torch.Tensor | None = None,
         last_logits_only: bool = False,
+        batch: RaggedBatch | None = None,
     ) -> torch.Tensor:
         """Run T new tokens against the P = `start` tokens already in the cache and return their logits.
 
@@ -233,13 +257,17 @@ class Llama(nn.Module):
         `start` may also be a one-element int64 tensor on the model's device (with a tree_mask; T = 1 takes [[True]]):
         then nothing in the forward depends on the prefix length on the host, and a CUDA graph of it replays at every
         prefix (tr_engine/graphs.py). The caller keeps start + T within the cache.
+        With `batch` (a RaggedBatch), the rows are several sequences' in one forward: kv_cache is a BatchKVCache's
+        [N, L, 2, Hkv, S, D], each sequence's rows attend to their own slot (tree_attention_batch), `start` is unused.
         Returns logits [T, V] in float32 (float64 for a float64 model), or [1, V] for the last token when `last_logits_only`.
         """
         T = input_ids.shape[0]
         G = self.config.num_attention_heads // self.config.num_key_value_heads
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D] each
         device = input_ids.device
-        if isinstance(start, torch.Tensor):
+        if batch is not None:
+            mask, kv_cache = AttentionMask(batch=batch), kv_cache.transpose(0, 1)  # layer-major: [L, N, 2, ...]
+        elif isinstance(start, torch.Tensor):
             if tree_mask is None:
                 raise ValueError("a forward whose start is a tensor takes a tree_mask ([[True]] for one token)")
             mask = AttentionMask(tree=tree_mask, slots=start + torch.arange(T, device=device))

@@ -76,6 +76,19 @@ def tree_attention(
     return out.permute(2, 0, 1, 3).reshape(T, Hq, D).to(q.dtype).contiguous()
 
 
+def tree_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[int], prefix_lens: list[int],
+                         offsets: list[int], tree_masks: torch.Tensor, scale: float) -> torch.Tensor:
+    """tree_attention for a ragged batch: sequence b's rows offsets[b]..offsets[b+1] of q attend over slot slots[b] of
+    k, v [N, Hkv, S, D] after prefix_lens[b] cached tokens, with its T_b x T_b block of the flattened tree_masks."""
+    out, at = torch.empty_like(q), 0
+    for slot, prefix, lo, hi in zip(slots, prefix_lens, offsets, offsets[1:]):
+        n = hi - lo
+        mask = tree_masks[at : at + n * n].view(n, n)
+        out[lo:hi] = tree_attention(q[lo:hi], k[slot], v[slot], prefix, mask, scale)
+        at += n * n
+    return out
+
+
 def tree_attention_dynamic(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -348,17 +348,16 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 
-at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
-                              const at::Tensor& tree_mask, double scale) {
-  tr_engine::check_tree_attention_args(q, k, v, prefix_len, tree_mask);
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+// The attention of one sequence's rows into out [T, Hq, D] (contiguous), its arguments checked already.
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
+                 const at::Tensor& tree_mask, double scale, at::Tensor out) {
+  const int64_t T = q.size(0);
   const auto mask_c = tree_mask.contiguous();
   const bool* mask = mask_c.data_ptr<bool>();
   for (int64_t t = 0; t < T && prefix_len == 0; ++t)
     TORCH_CHECK(std::any_of(mask + t * T, mask + (t + 1) * T, [](bool b) { return b; }), "tree_attention: token ", t,
                 " sees no key (prefix_len is 0 and its tree_mask row is all False)");
-  auto out = at::empty({T, Hq, D}, q.options());
-  if (T == 0) return out;
+  if (T == 0) return;
   switch (q.scalar_type()) {
     case at::kFloat: tree_attention_kernel<float, float>(q, k, v, prefix_len, mask, scale, out); break;
     case at::kDouble: tree_attention_kernel<double, double>(q, k, v, prefix_len, mask, scale, out); break;
@@ -369,6 +368,45 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
     default:
       TORCH_CHECK(false, "tree_attention: dtype ", q.scalar_type(),
                   " is not supported (float32, bfloat16, float16, float64)");
+  }
+}
+
+at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
+                              const at::Tensor& tree_mask, double scale) {
+  tr_engine::check_tree_attention_args(q, k, v, prefix_len, tree_mask);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  attend_into(q, k, v, prefix_len, tree_mask, scale, out);
+  return out;
+}
+
+// Each sequence through the same kernel, on its own rows, slot and mask block: its rows' bits are the ones a call for
+// that sequence alone gives. With several sequences the threads split the sequences between them (each sequence's
+// call then runs on one thread; a plain step's single row per sequence would leave threads idle otherwise).
+at::Tensor tree_attention_batch_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    at::IntArrayRef slots, at::IntArrayRef prefix_lens, at::IntArrayRef offsets,
+                                    const at::Tensor& tree_masks, double scale) {
+  tr_engine::check_tree_attention_batch_args(q, k, v, slots, prefix_lens, offsets, tree_masks);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  const int64_t B = static_cast<int64_t>(slots.size());
+  std::vector<int64_t> mask_at(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = offsets[b + 1] - offsets[b];
+    mask_at[b + 1] = mask_at[b] + n * n;
+    tr_engine::check_tree_attention_args(q.narrow(0, offsets[b], n), k.select(0, slots[b]), v.select(0, slots[b]),
+                                         prefix_lens[b], tree_masks.narrow(0, mask_at[b], n * n).view({n, n}));
+  }
+  auto attend = [&](int64_t b) {
+    const int64_t lo = offsets[b], n = offsets[b + 1] - offsets[b];
+    if (n == 0) return;
+    attend_into(q.narrow(0, lo, n), k.select(0, slots[b]), v.select(0, slots[b]), prefix_lens[b],
+                tree_masks.narrow(0, mask_at[b], n * n).view({n, n}), scale, out.narrow(0, lo, n));
+  };
+  if (B == 1) {
+    attend(0);
+  } else {
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) attend(b);
+    });
   }
   return out;
 }
@@ -385,4 +423,5 @@ at::Tensor tree_attention_dynamic_cpu(const at::Tensor& q, const at::Tensor& k, 
 TORCH_LIBRARY_IMPL(tr_engine, CPU, m) {
   m.impl("tree_attention", &tree_attention_cpu);
   m.impl("tree_attention_dynamic", &tree_attention_dynamic_cpu);
+  m.impl("tree_attention_batch", &tree_attention_batch_cpu);
 }

@@ -76,6 +76,27 @@ at::Tensor tree_attention_dynamic_cuda(const at::Tensor& q, const at::Tensor& k,
   return tree_attention_launch(q, k, v, 0, prefix.data_ptr<int64_t>(), tree_mask, scale, "tree_attention_dynamic");
 }
 
+// One launch per sequence on its rows, slot and mask block (a ragged kernel in one launch is the GPU issue's to
+// measure first).
+at::Tensor tree_attention_batch_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     at::IntArrayRef slots, at::IntArrayRef prefix_lens, at::IntArrayRef offsets,
+                                     const at::Tensor& tree_masks, double scale) {
+  tr_engine::check_tree_attention_batch_args(q, k, v, slots, prefix_lens, offsets, tree_masks);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  int64_t at = 0;
+  for (size_t b = 0; b < slots.size(); ++b) {
+    const int64_t lo = offsets[b], n = offsets[b + 1] - offsets[b];
+    if (n == 0) continue;
+    const auto rows = q.narrow(0, lo, n), mask = tree_masks.narrow(0, at, n * n).view({n, n});
+    const auto kb = k.select(0, slots[b]), vb = v.select(0, slots[b]);
+    tr_engine::check_tree_attention_args(rows, kb, vb, prefix_lens[b], mask);
+    out.narrow(0, lo, n).copy_(
+        tree_attention_launch(rows, kb, vb, prefix_lens[b], nullptr, mask, scale, "tree_attention_batch"));
+    at += n * n;
+  }
+  return out;
+}
+
 void recycle_update_cuda_(at::Tensor& table, const at::Tensor& tokens, const at::Tensor& logits) {
   tr_engine::check_recycle_update_args(table, tokens, logits);
   TORCH_CHECK(table.size(1) <= tr_engine::recycle_update_max_k(), "recycle_update_: k = ", table.size(1),
@@ -110,6 +131,7 @@ TORCH_LIBRARY_IMPL(tr_engine, CUDA, m) {
   m.impl("compact_kv_", &compact_kv_cuda_);
   m.impl("tree_attention", &tree_attention_cuda);
   m.impl("tree_attention_dynamic", &tree_attention_dynamic_cuda);
+  m.impl("tree_attention_batch", &tree_attention_batch_cuda);
   m.impl("recycle_update_", &recycle_update_cuda_);
   m.impl("skinny_linear", &skinny_linear_cuda);
 }

@@ -1,0 +1,139 @@
+"""Batched decoding (tr_engine/batch.py): every request in a batch gets exactly the tokens it gets alone, whatever
+rides with it, whenever it joins, and whichever slot it lands in; the ragged attention op; bad requests fail alone."""
+
+import pytest
+import torch
+
+from tr_engine import reference
+from tr_engine.engine import Engine
+from tr_engine.errors import InvalidType
+from tr_engine.ops import load_ops
+
+kernels = load_ops("kernels")
+PROMPTS = ["hello there", "a b c a b c a b c", "the cat sat on the mat and the cat", "why?", "one two three four",
+           "hello hello hello", "tell me about the sea", "x"]
+
+
+def ragged(dtype, sizes=(3, 1, 5), slots=(2, 0, 3), prefixes=(7, 0, 12), N=4, S=24, Hq=4, Hkv=2, D=16):
+    g = torch.Generator().manual_seed(5)
+    T = sum(sizes)
+    q = torch.randn(T, Hq, D, generator=g).to(dtype)
+    k, v = (torch.randn(N, Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    masks = []
+    for n in sizes:
+        m = torch.rand(n, n, generator=g) < 0.5
+        masks.append((m | torch.eye(n, dtype=torch.bool)).tril())
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    return q, k, v, list(slots), list(prefixes), offsets, masks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_sequence_of_a_batch_is_bit_for_bit_its_own_call(dtype):
+    q, k, v, slots, prefixes, offsets, masks = ragged(dtype)
+    flat = torch.cat([m.reshape(-1) for m in masks])
+    got = kernels.tree_attention_batch(q, k, v, slots, prefixes, offsets, flat, 0.25)
+    want = reference.tree_attention_batch(q, k, v, slots, prefixes, offsets, flat, 0.25)
+    torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    for b, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+        alone = kernels.tree_attention(q[lo:hi], k[slots[b]], v[slots[b]], prefixes[b], masks[b], 0.25)
+        assert torch.equal(got[lo:hi], alone), b
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_factory):
+    return str(tiny_factory("batch64", dtype=torch.float64, vocab_size=300, std=0.5))
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_factory):
+    return str(tiny_factory("batch-bf16", dtype=torch.bfloat16, vocab_size=300, std=0.5))
+
+
+def alone(engine, prompts, n, **kwargs):
+    return [engine.generate(p, max_new_tokens=n, method="ar", **kwargs).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("model,dtype", [("tiny64", "float64"), ("tiny_bf16", "bfloat16")])
+@pytest.mark.parametrize("method", ["ar", "tr", "hybrid", "pld"])
+def test_a_batch_gives_each_request_its_tokens_alone(model, dtype, method, request):
+    """8 prompts of mixed lengths and lengths of answer through 3 slots: requests join and leave mid-run."""
+    engine = Engine.from_pretrained(request.getfixturevalue(model), dtype=dtype, max_batch=3)
+    lengths = [40, 7, 25, 1, 33, 18, 3, 12]
+    want = [engine.generate(p, max_new_tokens=n, method="ar").token_ids for p, n in zip(PROMPTS, lengths)]
+    for n, w in zip(lengths, want):
+        assert len(w) == n  # no EOS in the tiny vocabulary: every request runs to its own length
+    got = [engine.generate_batch([p], max_new_tokens=n, method=method)[0].token_ids
+           for p, n in zip(PROMPTS[:2], lengths[:2])]
+    assert got == want[:2]
+    # all eight at once, one max_new_tokens: a request ends when its text does (the eos case) or at the length
+    results = engine.generate_batch(PROMPTS, max_new_tokens=40, method=method)
+    assert [r.token_ids for r in results] == alone(engine, PROMPTS, 40)
+    assert all(r.error is None and r.generation.finish_reason == "length" for r in results)
+
+
+def test_requests_that_stop_at_eos_leave_and_free_their_slot(tiny64):
+    engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=2)
+    free = alone(engine, PROMPTS, 30)
+    engine.tokenizer.eos_ids = (free[0][5], free[2][9])  # some requests end early, at different steps
+    want = alone(engine, PROMPTS, 30)
+    results = engine.generate_batch(PROMPTS, max_new_tokens=30, method="hybrid")
+    assert [r.token_ids for r in results] == want
+    assert any(r.generation.finish_reason == "eos" for r in results)
+    assert engine.batch_cache().free() == 2  # every slot given back
+
+
+def test_seeded_sampling_in_a_batch_is_each_requests_own(tiny64):
+    engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=3)
+    want = [engine.generate(p, max_new_tokens=20, method="ar", temperature=0.8, seed=100 + i).token_ids
+            for i, p in enumerate(PROMPTS)]
+    for method in ("ar", "tr", "hybrid"):
+        got = engine.generate_batch(PROMPTS, max_new_tokens=20, method=method, temperature=0.8, seed=100)
+        assert [r.token_ids for r in got] == want, method
+
+
+def test_the_shared_matrix_is_written_in_request_order_whatever_the_slots(tiny64):
+    """Identical prompts write the same matrix rows in the same step; the result is the one of recycling the
+    requests one after another in request order, and does not depend on which slot each request occupies."""
+    prompts = ["hello hello", "hello hello", "a b a b", "hello hello"]
+    first = Engine.from_pretrained(tiny64, dtype="float64", max_batch=4, tree="2.2.2")
+    first.generate_batch(prompts, max_new_tokens=12, method="tr")
+    second = Engine.from_pretrained(tiny64, dtype="float64", max_batch=4, tree="2.2.2")
+    cache = second.batch_cache()
+
+    def highest_first() -> int:  # the slots handed out in the opposite order
+        slot = max(cache._free)
+        cache._free.remove(slot)
+        cache.view(slot).reset()
+        return slot
+
+    cache.take = highest_first
+    second.generate_batch(prompts, max_new_tokens=12, method="tr")
+    assert torch.equal(first.matrix.table, second.matrix.table)
+    assert torch.equal(first.matrix.confidence, second.matrix.confidence)
+
+
+def test_a_bad_request_fails_alone(tiny64):
+    engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=2, max_context=64)
+    prompts = ["hello there", "   ", "word " * 80, "why?"]
+    results = engine.generate_batch(prompts, max_new_tokens=10, method="tr")
+    assert "prompt 1" in results[1].error and "empty" in results[1].error and not results[1].token_ids
+    assert "prompt 2" in results[2].error and "--max-context" in results[2].error
+    assert [r.token_ids for r in (results[0], results[3])] == alone(engine, [prompts[0], prompts[3]], 10)
+    with pytest.raises(InvalidType):
+        engine.generate_batch("hello", max_new_tokens=4)
+
+
+def test_stream_batch_yields_each_requests_text(tiny64):
+    engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=2)
+    pieces = {}
+    steps = engine.stream_batch(PROMPTS[:5], max_new_tokens=16, method="hybrid")
+    while True:
+        try:
+            i, piece = next(steps)
+        except StopIteration as done:
+            results = done.value
+            break
+        pieces[i] = pieces.get(i, "") + piece
+    assert [pieces.get(i, "") for i in range(5)] == [r.text for r in results]

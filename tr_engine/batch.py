@@ -1,0 +1,169 @@
+"""Batched decoding: up to N sequences in one forward per step, each exactly what it would be decoded alone.
+
+Every step, each active sequence drafts as it would alone (the same drafter object for all: its per-step state
+travels in the Draft, and Token Recycling's matrix is shared, so every sequence teaches every other), and one
+forward verifies all the drafts: a ragged batch, each sequence with its own prefix, tree and cache slot
+(tree_attention_batch). Then each sequence accepts, compacts its own slot and commits, as in the single-sequence loop
+(tr_engine/speculative.py), and the matrix recycles every sequence's verify in request order (arrival order, never
+the slot a sequence happens to occupy), each breadth-first: where several sequences write one row in a step, the
+last request's last node wins.
+
+Exact: the CPU kernels are row-independent (a row's bits depend on its own query and keys, whatever else the call
+holds), and the rest of the model works row by row, so a sequence's logits in a batch are bit for bit the ones it
+gets alone; what it accepts and commits is then plain decoding's (tests/test_batch.py holds it to that).
+
+Continuous batching: a request joins at the next step boundary once a slot is free (its prompt prefilled alone, in
+its slot, between steps), and leaves when it ends; its slot is reused at once. A request that cannot run (an empty or
+oversize prompt) fails alone, with a one-line error, and the others go on.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tr_engine.decode import Generation, prefill
+from tr_engine.drafters import Draft
+from tr_engine.errors import UserError
+from tr_engine.kv_cache import BatchKVCache
+from tr_engine.model import Llama, RaggedBatch
+from tr_engine.sampling import Sampler
+from tr_engine.speculative import accept, accept_sampled, compact, fits, stop
+from tr_engine.tree import chain_tree
+
+
+@dataclass
+class Request:
+    """One prompt's decoding. `id` orders the requests (the order they recycle into the matrix in a step)."""
+
+    id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampler: Sampler | None = None
+    slot: int | None = None
+    out: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    verify_tokens: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    started: float = 0.0  # when its decoding began (after its prefill)
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt_ids + self.out
+
+    def generation(self, eos_ids) -> Generation:
+        return Generation(token_ids=self.out, finish_reason="eos" if self.out and self.out[-1] in eos_ids else "length",
+                          prompt_tokens=len(self.prompt_ids), prefill_s=self.prefill_s,
+                          decode_s=time.perf_counter() - self.started, steps=len(self.accept_lengths),
+                          accept_lengths=self.accept_lengths, verify_tokens=self.verify_tokens)
+
+
+@dataclass
+class Event:
+    """What a step did for one request: the tokens it committed, and when the request ended, its Generation (or,
+    when it could not run, its one-line error)."""
+
+    request: int
+    tokens: list[int]
+    done: Generation | None = None
+    error: str | None = None
+
+
+def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: tuple[int, ...], ops):
+    """Decode `requests` (Requests, in id order; an iterable, read as slots free up) with at most cache.slots of them
+    in each forward, drafting with `drafter` (None: plain decoding). Yields Events as tokens are committed; a request
+    ends with an Event carrying its Generation or its error."""
+    pending, active = iter(requests), {}
+    single = {}  # device -> the one-node tree of a plain step
+
+    def admit(r: Request):
+        r.slot = cache.take()
+        view = cache.view(r.slot)
+        try:
+            if not r.prompt_ids:
+                raise UserError("the prompt is empty; give some text to answer")
+            view.check_room(len(r.prompt_ids) + r.max_new_tokens, "the prompt plus --max-new-tokens")
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                logits = prefill(model, view, r.prompt_ids)
+                first = int(logits.argmax()) if r.sampler is None else r.sampler.draw(logits, 0)
+        except UserError as e:
+            cache.give_back(r.slot)
+            return Event(r.id, [], error=str(e))
+        r.started = time.perf_counter()
+        r.prefill_s = r.started - t0
+        r.out.append(first)
+        active[r.id] = r
+        return Event(r.id, [first])
+
+    def finish(r: Request) -> Generation:
+        view = cache.view(r.slot)  # the cache keeps the sequence only: every committed token but the last
+        view.length = min(view.length, len(r.prompt_ids) + len(r.out) - 1)
+        cache.give_back(r.slot)
+        del active[r.id]
+        return r.generation(eos_ids)
+
+    exhausted = False
+    while True:
+        while not exhausted and cache.free():  # join at the step boundary
+            r = next(pending, None)
+            if r is None:
+                exhausted = True
+                break
+            event = admit(r)
+            if event.error is None and (event.tokens[0] in eos_ids or r.max_new_tokens == 1):
+                event.done = finish(r)
+            yield event
+        if not active:
+            return
+        with torch.inference_mode():
+            order = sorted(active.values(), key=lambda r: r.id)
+            drafts = []
+            for r in order:
+                if drafter is None:
+                    device = cache.data.device
+                    tree = single.setdefault(device, chain_tree(0).to(device))
+                    draft = Draft(tree, torch.tensor([r.out[-1]], device=device), r.out[-1], len(r.history))
+                else:
+                    draft = drafter.propose(r.history)
+                drafts.append(fits(draft, cache.view(r.slot)))
+            logits = verify_batch(model, cache, [r.slot for r in order], drafts)
+            rows = logits.split([d.tree.size for d in drafts])
+            committed = []
+            for r, draft, lg in zip(order, drafts, rows):
+                if r.sampler is None:
+                    path, tokens = accept(draft, lg)
+                else:
+                    path, tokens = accept_sampled(draft, lg, r.sampler, len(r.out))
+                compact(cache.view(r.slot), path, ops)
+                if drafter is not None:
+                    drafter.learn(draft, tokens)
+                committed.append(tokens)
+            if drafter is not None:  # request order, then each verify breadth-first: the last writer wins
+                for draft, lg in zip(drafts, rows):
+                    drafter.recycle(draft, lg)
+        for r, draft, tokens in zip(order, drafts, committed):
+            tokens, finished = stop(tokens, len(r.out), r.max_new_tokens, eos_ids)
+            r.out += tokens
+            r.accept_lengths.append(len(tokens))
+            r.verify_tokens.append(draft.tree.size)
+            yield Event(r.id, tokens, done=finish(r) if finished else None)
+
+
+def verify_batch(model: Llama, cache: BatchKVCache, slots: list[int], drafts: list[Draft]) -> torch.Tensor:
+    """One forward over every sequence's root and draft nodes, each in its own slot after its own prefix (positions
+    = its length + depth). Returns the logits [sum of tree sizes, V], sequence by sequence."""
+    device = cache.data.device
+    prefix = [cache.view(s).length for s in slots]
+    sizes = [d.tree.size for d in drafts]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    tokens = torch.cat([d.tokens for d in drafts])
+    positions = torch.cat([d.tree.depth + p for d, p in zip(drafts, prefix)])
+    seq = torch.tensor([s for s, n in zip(slots, sizes) for _ in range(n)], device=device)
+    pos = torch.tensor([p + i for p, n in zip(prefix, sizes) for i in range(n)], device=device)
+    batch = RaggedBatch(slots=slots, prefix_lens=prefix, offsets=offsets,
+                        tree_masks=torch.cat([d.tree.mask.reshape(-1) for d in drafts]), seq=seq, pos=pos)
+    return model(tokens, positions, cache.data, 0, batch=batch)
