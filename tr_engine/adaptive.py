@@ -233,6 +233,65 @@ class AdaptiveTrees:
         T, m = best  # self.expected: the tokens this step should commit (a diagnostic)
         return self.tree(tuple(paths[: T - 1])), m
 
+    def plan_batch(self, table, confidence, roots: list[int], prefixes: list[int], chains: list[list[int]] = None,
+                   chain_values: list[list[float]] = None) -> list[tuple[DraftTree, int]]:
+        """The trees of one batched step, one per sequence, and how many tokens of its prompt-lookup chain each adds:
+        every sequence's candidates (its tree's nodes best first, as in `plan`, and its chain's tokens), most
+        probable first across the batch, as many as maximise the batch's expected committed tokens over the cost of
+        one forward of all their tokens (the cost curve at the batch's total tokens and mean prefix, interpolated
+        between sizes). So each sequence drafts what its candidates are worth against the others', and when no
+        candidate pays for the tokens it adds, every sequence takes a plain step. Chain tokens the tree drafts too
+        are counted twice here (the graft adds them once): a small overestimate, only for hybrid drafting."""
+        if self._since >= self.refresh:
+            self._rates, self._since = self.stats.rates(), 0
+        rates, B = self._rates, len(roots)
+        chains = chains or [[] for _ in roots]
+        chain_values = chain_values or [[] for _ in roots]
+        curve = self.times.curve(sum(prefixes) // B)
+        sizes = [T for T in self.buckets if T in curve]
+
+        def cost(n: int) -> float:  # linear between the measured sizes
+            hi = next(T for T in sizes if T >= n)
+            lo = max([T for T in sizes if T < n], default=None)
+            if lo is None:
+                return curve[hi] * n / hi
+            return curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo)
+
+        heap = []  # (-probability, sequence, tie-breaker, node): a tree node (path, token) or a chain position
+
+        def expand(b: int, token: int, path: tuple, p: float) -> None:
+            d = min(len(path), DEPTHS - 1)
+            for r, (child, c) in enumerate(zip(table[token].tolist(), confidence[token].tolist())):
+                heapq.heappush(heap, (-p * rates[d][confidence_bin(c)], b, len(heap), (path + (r,), child)))
+
+        for b, root in enumerate(roots):
+            expand(b, root, (), 1.0)
+            if chains[b]:
+                heapq.heappush(heap, (-chain_values[b][0], b, len(heap), 0))
+        taken, total, expected = [], B, float(B)
+        best, best_value = 0, B / cost(B)
+        while heap and total < sizes[-1]:
+            neg, b, _, node = heapq.heappop(heap)
+            taken.append((b, node))
+            total, expected = total + 1, expected - neg
+            if isinstance(node, int):  # a chain token: the next one becomes a candidate
+                if node + 1 < len(chains[b]):
+                    heapq.heappush(heap, (-chain_values[b][node + 1], b, len(heap), node + 1))
+            elif len(node[0]) < self.MAX_DEPTH:
+                expand(b, node[1], node[0], -neg)
+            if expected / cost(total) > best_value:
+                best, best_value = len(taken), expected / cost(total)
+            top = -heap[0][0] if heap else 0.0  # no bigger step can win once even the best candidates cannot
+            if all((expected + top * (U - total)) / cost(U) <= best_value for U in sizes if U > total):
+                break
+        paths, chained = [[] for _ in roots], [0] * B
+        for b, node in taken[:best]:
+            if isinstance(node, int):
+                chained[b] += 1
+            else:
+                paths[b].append(node[0])
+        return [(self.tree(tuple(p)), m) for p, m in zip(paths, chained)]
+
     def tree(self, paths: tuple) -> DraftTree:
         """The tree of these rank paths (built once, kept while few enough shapes recur)."""
         tree = self._trees.get(paths)

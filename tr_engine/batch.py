@@ -18,7 +18,6 @@ oversize prompt) fails alone, with a one-line error, and the others go on.
 """
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +28,7 @@ from tr_engine.errors import UserError
 from tr_engine.kv_cache import BatchKVCache
 from tr_engine.model import Llama, RaggedBatch
 from tr_engine.sampling import Sampler
-from tr_engine.speculative import accept, accept_sampled, compact, fits, stop
+from tr_engine.speculative import accept, accept_sampled, compact, fits, stop, verify
 from tr_engine.tree import chain_tree
 
 
@@ -45,6 +44,7 @@ class Request:
     out: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
     verify_tokens: list[int] = field(default_factory=list)
+    step_end_s: list[float] = field(default_factory=list)
     prefill_s: float = 0.0
     started: float = 0.0  # when its decoding began (after its prefill)
 
@@ -56,7 +56,8 @@ class Request:
         return Generation(token_ids=self.out, finish_reason="eos" if self.out and self.out[-1] in eos_ids else "length",
                           prompt_tokens=len(self.prompt_ids), prefill_s=self.prefill_s,
                           decode_s=time.perf_counter() - self.started, steps=len(self.accept_lengths),
-                          accept_lengths=self.accept_lengths, verify_tokens=self.verify_tokens)
+                          accept_lengths=self.accept_lengths, verify_tokens=self.verify_tokens,
+                          step_end_s=self.step_end_s)
 
 
 @dataclass
@@ -70,12 +71,15 @@ class Event:
     error: str | None = None
 
 
-def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: tuple[int, ...], ops):
-    """Decode `requests` (Requests, in id order; an iterable, read as slots free up) with at most cache.slots of them
-    in each forward, drafting with `drafter` (None: plain decoding). Yields Events as tokens are committed; a request
-    ends with an Event carrying its Generation or its error."""
+def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: tuple[int, ...], ops,
+                limit: int | None = None):
+    """Decode `requests` (Requests, in id order; an iterable, read as slots free up) with at most `limit` (default
+    cache.slots) of them in each forward, drafting with `drafter` (None: plain decoding). Yields Events as tokens are
+    committed; a request ends with an Event carrying its Generation or its error."""
+    limit = cache.slots if limit is None else min(limit, cache.slots)
     pending, active = iter(requests), {}
     single = {}  # device -> the one-node tree of a plain step
+    adaptive = getattr(drafter, "adaptive", None)  # an adaptive tree learns what a batched step costs
 
     def admit(r: Request):
         r.slot = cache.take()
@@ -106,7 +110,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
 
     exhausted = False
     while True:
-        while not exhausted and cache.free():  # join at the step boundary
+        while not exhausted and cache.free() and len(active) < limit:  # join at the step boundary
             r = next(pending, None)
             if r is None:
                 exhausted = True
@@ -118,17 +122,22 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
         if not active:
             return
         with torch.inference_mode():
+            started = time.perf_counter()
             order = sorted(active.values(), key=lambda r: r.id)
-            drafts = []
-            for r in order:
-                if drafter is None:
-                    device = cache.data.device
-                    tree = single.setdefault(device, chain_tree(0).to(device))
-                    draft = Draft(tree, torch.tensor([r.out[-1]], device=device), r.out[-1], len(r.history))
-                else:
-                    draft = drafter.propose(r.history)
-                drafts.append(fits(draft, cache.view(r.slot)))
-            logits = verify_batch(model, cache, [r.slot for r in order], drafts)
+            if drafter is None:  # plain decoding: each sequence's root alone
+                device = cache.data.device
+                tree = single.setdefault(device, chain_tree(0).to(device))
+                drafts = [Draft(tree, torch.tensor([r.out[-1]], device=device), r.out[-1], len(r.history))
+                          for r in order]
+            elif len(order) > 1 and hasattr(drafter, "propose_batch"):  # one forward's budget split among them
+                drafts = drafter.propose_batch([r.history for r in order])
+            else:
+                drafts = [drafter.propose(r.history) for r in order]
+            drafts = [fits(d, cache.view(r.slot)) for r, d in zip(order, drafts)]
+            if len(order) == 1:  # one sequence: the single-sequence step (the same bits, less bookkeeping)
+                logits = verify(model, cache.view(order[0].slot), drafts[0])
+            else:
+                logits = verify_batch(model, cache, [r.slot for r in order], drafts)
             rows = logits.split([d.tree.size for d in drafts])
             committed = []
             for r, draft, lg in zip(order, drafts, rows):
@@ -140,11 +149,16 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 if drafter is not None:
                     drafter.learn(draft, tokens)
                 committed.append(tokens)
+            if adaptive is not None:  # the whole forward's tokens, at the batch's mean prefix (plan_batch's price)
+                adaptive.observe_step(sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts),
+                                      time.perf_counter() - started)
             if drafter is not None:  # request order, then each verify breadth-first: the last writer wins
                 for draft, lg in zip(drafts, rows):
                     drafter.recycle(draft, lg)
+        now = time.perf_counter()
         for r, draft, tokens in zip(order, drafts, committed):
             tokens, finished = stop(tokens, len(r.out), r.max_new_tokens, eos_ids)
+            r.step_end_s.append(now - r.started)
             r.out += tokens
             r.accept_lengths.append(len(tokens))
             r.verify_tokens.append(draft.tree.size)

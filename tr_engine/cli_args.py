@@ -101,7 +101,8 @@ def engine_from_args(args):
 
     engine = Engine.from_pretrained(args.model, args.device, args.dtype, args.max_context, args.model_dir, args.ops,
                                     args.threads, args.tree, args.matrix_k, args.method, args.seed,
-                                    None if args.cuda_graphs is None else args.cuda_graphs == "on")
+                                    None if args.cuda_graphs is None else args.cuda_graphs == "on",
+                                    max_batch=getattr(args, "batch", 8))
     if args.tree == ADAPTIVE:  # measured at the first adaptive step (or now, on --recalibrate), with a notice
         engine.on_calibrate = lambda: print("measuring this machine's verify cost for the adaptive tree (once; "
                                             "cached)...", file=sys.stderr, flush=True)

@@ -32,6 +32,7 @@ class Generation:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each step
     phase_s: dict[str, float] = field(default_factory=dict)  # decode seconds by phase (speculative methods)
     verify_tokens: list[int] = field(default_factory=list)  # tokens each step's forward verified (root included)
+    step_end_s: list[float] = field(default_factory=list)  # batched: when each step ended, in seconds of decode_s
 
 
 @torch.inference_mode()

@@ -12,7 +12,10 @@ tr_engine/methods.py's DRAFTERS:
 - learn(draft, committed, seconds): what the step teaches the planner: which candidates came true, and what the
   step cost (drafting to compaction), which the adaptive tree prices its sizes by;
 - recycle(draft, logits): every node's top-k into the matrix.
-Everything a step's later calls need from its proposal travels in the Draft, never on the drafter.
+Everything a step's later calls need from its proposal travels in the Draft, never on the drafter, so one drafter
+serves many sequences at once (tr_engine/batch.py). A drafter may also offer propose_batch(histories) -> Drafts, one
+step's drafts for several sequences planned together (the adaptive tree splits one forward's budget among them);
+without it, each sequence proposes alone.
 """
 
 from dataclasses import dataclass, field, replace
@@ -80,6 +83,14 @@ class TokenRecycling:
 
     def propose(self, history: list[int]) -> Draft:
         return self.draft(history, self.plan(history)[0] if self.adaptive else self.tree)
+
+    def propose_batch(self, histories: list[list[int]]) -> list[Draft]:
+        """One batched step's drafts: with the adaptive tree, planned together (AdaptiveTrees.plan_batch)."""
+        if self.adaptive is None:
+            return [self.propose(h) for h in histories]
+        table, confidence = self.matrix.host()
+        plans = self.adaptive.plan_batch(table, confidence, [h[-1] for h in histories], [len(h) for h in histories])
+        return [self.draft(h, tree) for h, (tree, _) in zip(histories, plans)]
 
     def plan(self, history: list[int], chain: list[int] = (), chain_values: list[float] = ()) -> tuple[DraftTree, int]:
         """The adaptive tree for this step (from the root's candidates in the matrix) and the chain tokens to add."""
@@ -168,6 +179,21 @@ class Hybrid:
             chain = chain[:m]
         else:
             tree = self.tr.tree
+        return self.compose(history, tree, chain, found)
+
+    def propose_batch(self, histories: list[list[int]]) -> list[Draft]:
+        """One batched step's drafts: with the adaptive tree, trees and chain lengths planned together."""
+        if self.tr.adaptive is None:
+            return [self.propose(h) for h in histories]
+        found = [self.lookup.lookup(h) for h in histories]
+        table, confidence = self.matrix.host()
+        plans = self.tr.adaptive.plan_batch(table, confidence, [h[-1] for h in histories],
+                                            [len(h) for h in histories], found,
+                                            [self.chain_stats.values(len(f)) for f in found])
+        return [self.compose(h, tree, f[:m], f) for h, f, (tree, m) in zip(histories, found, plans)]
+
+    def compose(self, history: list[int], tree: DraftTree, chain: list[int], found: list[int]) -> Draft:
+        """The draft of `tree` from the matrix with `chain` (the first tokens of the lookup's `found`) grafted in."""
         draft = replace(self.tr.draft(history, tree), chain=found)
         if not chain:
             return draft

@@ -302,22 +302,25 @@ class Engine:
 
     def generate_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
                        method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                       seed: int | None = None) -> list[GenerateResult]:
+                       seed: int | None = None, batch_size: int | None = None) -> list[GenerateResult]:
         """Answer many prompts at once, up to the engine's max_batch in each forward (more are queued and join as
         others finish): one GenerateResult per prompt, in order, each with exactly the tokens generate() gives that
         prompt alone (sampled: with `seed` + its index as its seed). A prompt that cannot run (empty, too long for
-        the batch's per-sequence cache) gets a result with `error` set and no tokens; the others finish."""
+        the batch's per-sequence cache) gets a result with `error` set and no tokens; the others finish.
+        `batch_size` (at most max_batch, the default) caps the sequences in a forward."""
         return run_to_end(self.stream_batch(prompts, max_new_tokens, chat_template, method, temperature=temperature,
-                                            top_k=top_k, top_p=top_p, seed=seed))
+                                            top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size))
 
     def stream_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
                      method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                     seed: int | None = None):
+                     seed: int | None = None, batch_size: int | None = None):
         """Like generate_batch, yielding (prompt index, text piece) as each request's tokens are accepted; returns
         the results (`results = yield from engine.stream_batch(…)`)."""
         sampling = Sampling(temperature, top_k, top_p)
         checks.integer(max_new_tokens, "max_new_tokens", 1)
         check_seed(seed)
+        if batch_size is not None:
+            checks.integer(batch_size, "batch_size", 1, self.max_batch)
         method = check_method(method or self.method)
         if not isinstance(prompts, (list, tuple)):
             raise InvalidType(f"prompts must be a list of prompts, got {type(prompts).__name__}")
@@ -338,7 +341,7 @@ class Engine:
             adaptive.cost = self.cost_model()
         eos = self.tokenizer.eos_ids
         prompt_of = {r.id: r.prompt_ids for r in requests}
-        for event in batch_steps(self.model, self.batch_cache(), requests, drafter, eos, self.ops):
+        for event in batch_steps(self.model, self.batch_cache(), requests, drafter, eos, self.ops, batch_size):
             i = event.request
             if event.error is not None:
                 results[i] = failed(f"prompt {i}: {event.error}")

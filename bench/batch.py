@@ -1,0 +1,164 @@
+"""Batched decoding's throughput and latency, side by side: batch sizes 1, 2, 4, 8, 16 × methods ar, tr, hybrid, pld,
+on the same dev-split questions, in one run per dtype.
+
+    python -m bench.batch [--dtypes bfloat16 float32] [--questions 16] [--max-new-tokens 128]
+
+Each configuration answers every question with generate_batch at that batch size (prefills included: a request
+joins when a slot frees). Reported: total tokens/s (all requests' tokens over the wall clock), each request's own
+tokens/s (median), the latency per token (a step's time over the tokens it committed to a request: p50 and p99
+over every token), speedup over batch-1 plain decoding, and whether every request's tokens equal its batch-1 plain
+decoding's. The recycling matrix is warmed first on other questions and shared by tr and hybrid (hot, as in use).
+Writes batch.{md,json,png}.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+SIZES = (1, 2, 4, 8, 16)
+METHODS = ("ar", "tr", "hybrid", "pld")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def measure(engine, prompts, size: int, method: str, max_new_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    results = engine.generate_batch(prompts, max_new_tokens, method=method, batch_size=size)
+    wall = time.perf_counter() - t0
+    latencies, own = [], []
+    for r in results:
+        g = r.generation
+        if r.error is not None:
+            raise SystemExit(f"error: {r.error}")
+        own.append(len(g.token_ids) / (g.prefill_s + g.decode_s))
+        if size == 1 and method == "ar":  # the batch-1 plain run: generate()'s own loop has no step clock
+            continue
+        last = 0.0
+        for n, end in zip(g.accept_lengths, g.step_end_s):
+            latencies += [(end - last) / n] * n
+            last = end
+    tokens = sum(len(r.token_ids) for r in results)
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+            "request_tokens_per_s": percentile(own, 0.5), "latency_ms_p50": 1e3 * percentile(latencies, 0.5),
+            "latency_ms_p99": 1e3 * percentile(latencies, 0.99), "token_ids": [r.token_ids for r in results],
+            "verify_tokens_per_step": sum(sum(r.generation.verify_tokens) for r in results)
+            / max(1, sum(r.generation.steps for r in results))}
+
+
+def run(args) -> dict:
+    from bench.specbench import load_questions
+    from tr_engine.engine import Engine
+
+    questions = load_questions(args.questions_file, None, None)
+    step = max(len(questions) // (args.questions + args.warmup), 1)
+    spread = questions[::step]
+    chosen, warm = spread[: args.questions], spread[args.questions : args.questions + args.warmup]
+    prompts = [[{"role": "user", "content": q["turns"][0]}] for q in chosen]
+    out = {}
+    for dtype in args.dtypes:
+        engine = Engine.from_pretrained(args.model, dtype=dtype, threads=args.threads, max_batch=max(SIZES))
+        engine.cost_model()
+        for q in warm:  # the shared matrix, hot
+            engine.generate(q["turns"][0], args.max_new_tokens, method="tr")
+        rows = {}
+        for size in SIZES:
+            for method in METHODS:
+                if size == 1 and method == "ar":  # the baseline: generate(), today's single-sequence engine
+                    t0 = time.perf_counter()
+                    results = [engine.generate(p, args.max_new_tokens, method="ar") for p in prompts]
+                    wall = time.perf_counter() - t0
+                    tokens = sum(len(r.token_ids) for r in results)
+                    row = {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+                           "request_tokens_per_s": percentile([r.tokens_per_s for r in results], 0.5),
+                           "latency_ms_p50": 1e3 * percentile([r.generation.decode_s / max(1, r.generation.steps)
+                                                               for r in results], 0.5),
+                           "latency_ms_p99": None, "token_ids": [r.token_ids for r in results],
+                           "verify_tokens_per_step": 1.0}
+                else:
+                    row = measure(engine, prompts, size, method, args.max_new_tokens)
+                rows[f"{method}@{size}"] = row
+                print(f"{dtype} batch {size} {method}: {row['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        base, want = rows["ar@1"]["tokens_per_s"], rows["ar@1"]["token_ids"]
+        for row in rows.values():
+            row["speedup"] = row["tokens_per_s"] / base
+            row["identical"] = sum(a == b for a, b in zip(row.pop("token_ids"), want))
+        out[dtype] = rows
+    return out
+
+
+def write(folder: Path, data: dict, info: dict, args) -> str:
+    from bench.machine import machine_line
+
+    lines = ["# Batched decoding: throughput and latency by batch size and method", "",
+             f"{machine_line(info)}. {args.model}, {args.questions} dev-split questions (first turns), greedy, "
+             f"{args.max_new_tokens} new tokens at most, {args.threads} threads; the matrix warmed on {args.warmup} "
+             "other questions. Speedup: total tokens/s over batch-1 plain decoding (`generate`), prefills included. "
+             "Latency: a step's time over the tokens it committed to a request, over every token. Identical: "
+             "requests whose tokens equal their batch-1 plain decoding's.", ""]
+    for dtype, rows in data.items():
+        lines += [f"## {dtype}", "", "| batch | method | total tok/s | speedup | request tok/s (median) | "
+                  "latency/token p50 ms | p99 ms | tokens verified per sequence-step | identical |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for key, r in rows.items():
+            method, size = key.split("@")
+            p99 = f"{r['latency_ms_p99']:.1f}" if r["latency_ms_p99"] is not None else "-"
+            lines.append(f"| {size} | {method} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                         f"{r['request_tokens_per_s']:.1f} | {r['latency_ms_p50']:.1f} | {p99} | "
+                         f"{r['verify_tokens_per_step']:.2f} | {r['identical']}/{args.questions} |")
+        lines.append("")
+    text = "\n".join(lines)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "batch.md").write_text(text)
+    (folder / "batch.json").write_text(json.dumps({"machine": info, **data}, indent=2) + "\n")
+    plot(folder / "batch.png", data)
+    return text
+
+
+def plot(path: Path, data: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4), squeeze=False)
+    for ax, (dtype, rows) in zip(axes[0], data.items()):
+        for method in METHODS:
+            ax.plot(SIZES, [rows[f"{method}@{s}"]["tokens_per_s"] for s in SIZES], marker="o", label=method)
+        ax.set(xscale="log", xticks=SIZES, xticklabels=[str(s) for s in SIZES], xlabel="batch size",
+               ylabel="total tokens/s", title=dtype)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from bench.machine import machine_info
+    from bench.specbench import DEFAULT_QUESTIONS
+    from tr_engine.cli import ArgumentParser
+    from tr_engine.cli_args import integer
+
+    ap = ArgumentParser(prog="python -m bench.batch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--questions", type=integer(1), default=16, help="questions, spread over the file")
+    ap.add_argument("--warmup", type=integer(0), default=4, help="other questions that warm the matrix first")
+    ap.add_argument("--questions-file", type=Path, default=DEFAULT_QUESTIONS)
+    ap.add_argument("--max-new-tokens", type=integer(1), default=128)
+    ap.add_argument("--threads", type=integer(1), default=2)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args(argv)
+    info = machine_info()
+    print(write(args.out, run(args), info, args))
+    return 0
+
+
+if __name__ == "__main__":
+    from tr_engine.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))
