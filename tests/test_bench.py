@@ -131,3 +131,19 @@ def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
     assert "| float32 |" in out.with_suffix(".md").read_text() and "3/3 |" in proc.stdout
     bad = run_module("bench.ab", "--before", str(tmp_path / "nowhere"), "--out", str(out))
     assert_one_line_error(bad, "nowhere", "not a tr-engine checkout")
+
+
+@pytest.mark.slow
+def test_batch_bench_on_a_tiny_model(tiny_factory, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"Question {i}?"]}) + "\n"
+                                 for i in range(3)))
+    proc = run_module("bench.batch", "--model", str(tiny_factory("bench-batch")), "--dtypes", "float32",
+                      "--questions", "2", "--warmup", "1", "--questions-file", str(questions), "--max-new-tokens", "5",
+                      "--threads", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "batch.json").read_text())["float32"]
+    assert set(rows) == {f"{m}@{s}" for m in ("ar", "tr", "hybrid", "pld") for s in (1, 2, 4, 8, 16)}
+    assert all(r["identical"] == 2 and r["tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows.values())
+    assert rows["ar@1"]["speedup"] == 1.0
+    assert (tmp_path / "batch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
