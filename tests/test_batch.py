@@ -159,3 +159,15 @@ def test_smollm2_a_batch_of_8_dev_questions_is_plain_decoding_alone(smollm2_dir,
                for i, p in enumerate(prompts)]
     got = engine.generate_batch(prompts, max_new_tokens=32, method="hybrid", temperature=0.7, seed=7)
     assert [r.token_ids for r in got] == sampled
+
+
+def test_a_batch_stopped_midway_gives_its_slots_back(tiny64):
+    """Ctrl-C, or a stream closed by its reader: the next batch has every slot and answers as usual."""
+    engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=3)
+    steps = engine.stream_batch(PROMPTS, max_new_tokens=20, method="tr")
+    for _ in range(5):
+        next(steps)
+    steps.close()
+    assert engine.batch_cache().free() == 3
+    results = engine.generate_batch(PROMPTS, max_new_tokens=20, method="tr")
+    assert [r.token_ids for r in results] == alone(engine, PROMPTS, 20)

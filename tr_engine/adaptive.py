@@ -143,6 +143,10 @@ class AdaptiveTrees:
     confidences into acceptance rates, refreshed every `refresh` observations."""
 
     MAX_DEPTH = 12
+    # A batched step drafts only if it expects to beat plain decoding by this much: at a large batch the gain is a few
+    # percent at best, within the error of the estimates, while a wrong guess costs the whole batch's step
+    # (bench/results/batch.md: at batch 16, drafting on a bare expected gain lost a few percent to plain decoding).
+    BATCH_MARGIN = 0.05
 
     def __init__(self, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu",
                  pinned: bool = False):
@@ -239,8 +243,8 @@ class AdaptiveTrees:
         every sequence's candidates (its tree's nodes best first, as in `plan`, and its chain's tokens), most
         probable first across the batch, as many as maximise the batch's expected committed tokens over the cost of
         one forward of all their tokens (the cost curve at the batch's total tokens and mean prefix, interpolated
-        between sizes). So each sequence drafts what its candidates are worth against the others', and when no
-        candidate pays for the tokens it adds, every sequence takes a plain step. Chain tokens the tree drafts too
+        between sizes). So each sequence drafts what its candidates are worth against the others', and unless the
+        best plan beats plain decoding by BATCH_MARGIN, every sequence takes a plain step. Chain tokens the tree drafts too
         are counted twice here (the graft adds them once): a small overestimate, only for hybrid drafting."""
         if self._since >= self.refresh:
             self._rates, self._since = self.stats.rates(), 0
@@ -269,7 +273,7 @@ class AdaptiveTrees:
             if chains[b]:
                 heapq.heappush(heap, (-chain_values[b][0], b, len(heap), 0))
         taken, total, expected = [], B, float(B)
-        best, best_value = 0, B / cost(B)
+        best, best_value = 0, B / cost(B) * (1 + self.BATCH_MARGIN)
         while heap and total < sizes[-1]:
             neg, b, _, node = heapq.heappop(heap)
             taken.append((b, node))

@@ -95,6 +95,9 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
         except UserError as e:
             cache.give_back(r.slot)
             return Event(r.id, [], error=str(e))
+        except BaseException:  # Ctrl-C in a prefill, say: the slot is free again
+            cache.give_back(r.slot)
+            raise
         r.started = time.perf_counter()
         r.prefill_s = r.started - t0
         r.out.append(first)
@@ -109,61 +112,66 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
         return r.generation(eos_ids)
 
     exhausted = False
-    while True:
-        while not exhausted and cache.free() and len(active) < limit:  # join at the step boundary
-            r = next(pending, None)
-            if r is None:
-                exhausted = True
-                break
-            event = admit(r)
-            if event.error is None and (event.tokens[0] in eos_ids or r.max_new_tokens == 1):
-                event.done = finish(r)
-            yield event
-        if not active:
-            return
-        with torch.inference_mode():
-            started = time.perf_counter()
-            order = sorted(active.values(), key=lambda r: r.id)
-            if drafter is None:  # plain decoding: each sequence's root alone
-                device = cache.data.device
-                tree = single.setdefault(device, chain_tree(0).to(device))
-                drafts = [Draft(tree, torch.tensor([r.out[-1]], device=device), r.out[-1], len(r.history))
-                          for r in order]
-            elif len(order) > 1 and hasattr(drafter, "propose_batch"):  # one forward's budget split among them
-                drafts = drafter.propose_batch([r.history for r in order])
-            else:
-                drafts = [drafter.propose(r.history) for r in order]
-            drafts = [fits(d, cache.view(r.slot)) for r, d in zip(order, drafts)]
-            if len(order) == 1:  # one sequence: the single-sequence step (the same bits, less bookkeeping)
-                logits = verify(model, cache.view(order[0].slot), drafts[0])
-            else:
-                logits = verify_batch(model, cache, [r.slot for r in order], drafts)
-            rows = logits.split([d.tree.size for d in drafts])
-            committed = []
-            for r, draft, lg in zip(order, drafts, rows):
-                if r.sampler is None:
-                    path, tokens = accept(draft, lg)
+    try:
+        while True:
+            while not exhausted and cache.free() and len(active) < limit:  # join at the step boundary
+                r = next(pending, None)
+                if r is None:
+                    exhausted = True
+                    break
+                event = admit(r)
+                if event.error is None and (event.tokens[0] in eos_ids or r.max_new_tokens == 1):
+                    event.done = finish(r)
+                yield event
+            if not active:
+                return
+            with torch.inference_mode():
+                started = time.perf_counter()
+                order = sorted(active.values(), key=lambda r: r.id)
+                if drafter is None:  # plain decoding: each sequence's root alone
+                    device = cache.data.device
+                    tree = single.setdefault(device, chain_tree(0).to(device))
+                    drafts = [Draft(tree, torch.tensor([r.out[-1]], device=device), r.out[-1], len(r.history))
+                              for r in order]
+                elif len(order) > 1 and hasattr(drafter, "propose_batch"):  # one forward's budget split among them
+                    drafts = drafter.propose_batch([r.history for r in order])
                 else:
-                    path, tokens = accept_sampled(draft, lg, r.sampler, len(r.out))
-                compact(cache.view(r.slot), path, ops)
-                if drafter is not None:
-                    drafter.learn(draft, tokens)
-                committed.append(tokens)
-            if adaptive is not None:  # the whole forward's tokens, at the batch's mean prefix (plan_batch's price)
-                adaptive.observe_step(sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts),
-                                      time.perf_counter() - started)
-            if drafter is not None:  # request order, then each verify breadth-first: the last writer wins
-                for draft, lg in zip(drafts, rows):
-                    drafter.recycle(draft, lg)
-        now = time.perf_counter()
-        for r, draft, tokens in zip(order, drafts, committed):
-            tokens, finished = stop(tokens, len(r.out), r.max_new_tokens, eos_ids)
-            r.step_end_s.append(now - r.started)
-            r.out += tokens
-            r.accept_lengths.append(len(tokens))
-            r.verify_tokens.append(draft.tree.size)
-            yield Event(r.id, tokens, done=finish(r) if finished else None)
+                    drafts = [drafter.propose(r.history) for r in order]
+                drafts = [fits(d, cache.view(r.slot)) for r, d in zip(order, drafts)]
+                if len(order) == 1:  # one sequence: the single-sequence step (the same bits, less bookkeeping)
+                    logits = verify(model, cache.view(order[0].slot), drafts[0])
+                else:
+                    logits = verify_batch(model, cache, [r.slot for r in order], drafts)
+                rows = logits.split([d.tree.size for d in drafts])
+                committed = []
+                for r, draft, lg in zip(order, drafts, rows):
+                    if r.sampler is None:
+                        path, tokens = accept(draft, lg)
+                    else:
+                        path, tokens = accept_sampled(draft, lg, r.sampler, len(r.out))
+                    compact(cache.view(r.slot), path, ops)
+                    if drafter is not None:
+                        drafter.learn(draft, tokens)
+                    committed.append(tokens)
+                if adaptive is not None:  # the whole forward's tokens, at the batch's mean prefix (plan_batch's price)
+                    total, prefix = sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts)
+                    adaptive.observe_step(total, prefix, time.perf_counter() - started)
+                if drafter is not None:  # request order, then each verify breadth-first: the last writer wins
+                    for draft, lg in zip(drafts, rows):
+                        drafter.recycle(draft, lg)
+            now = time.perf_counter()
+            for r, draft, tokens in zip(order, drafts, committed):
+                tokens, finished = stop(tokens, len(r.out), r.max_new_tokens, eos_ids)
+                r.step_end_s.append(now - r.started)
+                r.out += tokens
+                r.accept_lengths.append(len(tokens))
+                r.verify_tokens.append(draft.tree.size)
+                yield Event(r.id, tokens, done=finish(r) if finished else None)
 
+    finally:  # stopped early (Ctrl-C, a closed stream, an error): the slots go back, the sequences are dropped
+        for r in list(active.values()):
+            cache.give_back(r.slot)
+        active.clear()
 
 def verify_batch(model: Llama, cache: BatchKVCache, slots: list[int], drafts: list[Draft]) -> torch.Tensor:
     """One forward over every sequence's root and draft nodes, each in its own slot after its own prefix (positions
