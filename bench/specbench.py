@@ -39,8 +39,9 @@ GROUPS = {"translation": "translation", "summarization": "summarization", "qa": 
           "rag": "rag", "humaneval": "code"}  # every other category is MT-bench: "conversation"
 GROUP_ORDER = ["conversation", "translation", "summarization", "qa", "math", "rag", "code"]
 # Configurations with a drafter of their own (own matrix and statistics), built by Engine.new_drafter's arguments.
-# ("hybrid" is the engine's method with a matrix of its own, so the "tr" rows keep theirs.) The "-81" ones verify as many tokens as the static 2.2.2 tree whatever the cost (a flat curve, at most 81 tokens): the
-# adaptive tree's drafts against the paper's at the same size.
+# ("hybrid" is the engine's method with a matrix of its own, so the "tr" rows keep theirs.) The "-81" ones verify as
+# many tokens as the static 2.2.2 tree whatever the cost (a flat curve, at most 81 tokens): the adaptive tree's drafts
+# against the paper's at the same size.
 STATIC_SIZE = 81
 OWN_DRAFTERS = {"tr-adaptive": dict(method="tr", tree="adaptive"), "hybrid": dict(method="hybrid", tree="adaptive"),
                 "tr-81": dict(method="tr", tree="adaptive", flat=STATIC_SIZE),

@@ -43,8 +43,8 @@ def stock_recycle_update_(table, tokens, logits):
 def op_set(impl: str) -> SimpleNamespace:
     if impl == "stock":
         # The references' namespace with the stock PyTorch calls swapped in (plain F.linear, nothing packed)
-        return SimpleNamespace(**{**vars(load_ops("reference")), "kind": "stock", "tree_attention": stock_tree_attention,
-                                  "recycle_update_": stock_recycle_update_})
+        stock = {"kind": "stock", "tree_attention": stock_tree_attention, "recycle_update_": stock_recycle_update_}
+        return SimpleNamespace(**{**vars(load_ops("reference")), **stock})
     return load_ops(impl)
 
 

@@ -171,3 +171,23 @@ def test_a_batch_stopped_midway_gives_its_slots_back(tiny64):
     assert engine.batch_cache().free() == 3
     results = engine.generate_batch(PROMPTS, max_new_tokens=20, method="tr")
     assert [r.token_ids for r in results] == alone(engine, PROMPTS, 20)
+
+
+def test_recycling_a_batch_in_one_update_is_recycling_each_draft_in_order():
+    """Rows written by several sequences in one step: the last draft's last node wins, as sequential recycles do."""
+    from tr_engine.drafters import TokenRecycling
+    from tr_engine.matrix import RecyclingMatrix
+    from tr_engine.tree import load_tree
+
+    g = torch.Generator().manual_seed(9)
+    tree = load_tree("2.2.2", 8)
+    drafts, one, many = [], TokenRecycling(RecyclingMatrix(60, 8), tree), TokenRecycling(RecyclingMatrix(60, 8), tree)
+    for _ in range(3):
+        tokens = torch.randint(0, 12, (tree.size,), generator=g)  # few ids: rows shared within and across drafts
+        drafts.append(type("D", (), {"tokens": tokens})())
+    logits = torch.randn(3 * tree.size, 60, generator=g)
+    for d, rows in zip(drafts, logits.split(tree.size)):
+        one.recycle(d, rows)
+    many.recycle_batch(drafts, logits)
+    assert torch.equal(one.matrix.table, many.matrix.table)
+    assert torch.equal(one.matrix.confidence, many.matrix.confidence)

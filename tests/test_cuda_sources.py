@@ -55,7 +55,8 @@ def test_a_launcher_that_drifts_from_its_declaration_does_not_compile(path, tmp_
     the mismatch would surface only as an undefined symbol when the library loads on a GPU machine)."""
     source = path.read_text()
     definition = source.index("tr_engine::launch_")
-    drifted = source[:definition] + source[definition:].replace("cudaStream_t stream)", "cudaStream_t stream, int drift)", 1)
+    drift = source[definition:].replace("cudaStream_t stream)", "cudaStream_t stream, int drift)", 1)
+    drifted = source[:definition] + drift
     assert drifted != source
     (tmp_path / "launchers.h").write_text((path.parent / "launchers.h").read_text())
     (tmp_path / path.name).write_text(drifted)

@@ -101,8 +101,8 @@ class StepTimes:
 
     The curve is measured once, in a tight loop; the steps it prices run later, amid the loop's own work, on a machine
     whose speed drifts (a shared CPU's plain step, and the relative cost of a bigger verify with it, move as its
-    neighbours' load changes: bench/results/forward_cost_*.md shows the spread). Each step's measured seconds over the curve's prediction for its size
-    update its bucket's factor (a decayed mean; single outliers, a preemption say, are clipped to 2x). A bucket not
+    neighbours' load changes: bench/results/forward_cost_*.md shows the spread). Each step's measured seconds over
+    the curve's prediction for its size update its bucket's factor (a decayed mean; single outliers, a preemption say, are clipped to 2x). A bucket not
     stepped yet borrows the factor of the nearest one that was (the bigger one on a tie), so a curve that drifted up
     makes the unexplored sizes look dearer too, and one that drifted down gets them tried."""
 
@@ -244,8 +244,9 @@ class AdaptiveTrees:
         probable first across the batch, as many as maximise the batch's expected committed tokens over the cost of
         one forward of all their tokens (the cost curve at the batch's total tokens and mean prefix, interpolated
         between sizes). So each sequence drafts what its candidates are worth against the others', and unless the
-        best plan beats plain decoding by BATCH_MARGIN, every sequence takes a plain step. Chain tokens the tree drafts too
-        are counted twice here (the graft adds them once): a small overestimate, only for hybrid drafting."""
+        best plan beats plain decoding by BATCH_MARGIN, every sequence takes a plain step. Chain tokens the tree
+        drafts too are counted twice here (the graft adds them once): a small overestimate, only for hybrid
+        drafting."""
         if self._since >= self.refresh:
             self._rates, self._since = self.stats.rates(), 0
         rates, B = self._rates, len(roots)

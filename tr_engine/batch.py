@@ -156,7 +156,9 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 if adaptive is not None:  # the whole forward's tokens, at the batch's mean prefix (plan_batch's price)
                     total, prefix = sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts)
                     adaptive.observe_step(total, prefix, time.perf_counter() - started)
-                if drafter is not None:  # request order, then each verify breadth-first: the last writer wins
+                if drafter is not None and len(drafts) > 1 and hasattr(drafter, "recycle_batch"):
+                    drafter.recycle_batch(drafts, logits)  # request order, then breadth-first: the last writer wins
+                elif drafter is not None:
                     for draft, lg in zip(drafts, rows):
                         drafter.recycle(draft, lg)
             now = time.perf_counter()

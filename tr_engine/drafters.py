@@ -14,8 +14,8 @@ tr_engine/methods.py's DRAFTERS:
 - recycle(draft, logits): every node's top-k into the matrix.
 Everything a step's later calls need from its proposal travels in the Draft, never on the drafter, so one drafter
 serves many sequences at once (tr_engine/batch.py). A drafter may also offer propose_batch(histories) -> Drafts, one
-step's drafts for several sequences planned together (the adaptive tree splits one forward's budget among them);
-without it, each sequence proposes alone.
+step's drafts for several sequences planned together (the adaptive tree splits one forward's budget among them), and
+recycle_batch(drafts, logits), their recycles in one update; without them, each sequence proposes and recycles alone.
 """
 
 from dataclasses import dataclass, field, replace
@@ -111,6 +111,11 @@ class TokenRecycling:
 
     def recycle(self, draft: Draft, logits: torch.Tensor) -> None:
         self.matrix.recycle_(draft.tokens, logits)
+
+    def recycle_batch(self, drafts: list[Draft], logits: torch.Tensor) -> None:
+        """A batched step's recycle in one update: the drafts' tokens in order against all their logits rows (the
+        last writer of a row wins, as one recycle per draft in this order would have it)."""
+        self.matrix.recycle_(torch.cat([d.tokens for d in drafts]), logits)
 
 
 class PromptLookup:
@@ -222,3 +227,6 @@ class Hybrid:
 
     def recycle(self, draft: Draft, logits: torch.Tensor) -> None:
         self.tr.recycle(draft, logits)
+
+    def recycle_batch(self, drafts: list[Draft], logits: torch.Tensor) -> None:
+        self.tr.recycle_batch(drafts, logits)

@@ -168,8 +168,9 @@ def speculative_steps(
     sampler: Sampler | None = None,
 ):
     """Like plain_steps, committing 1..depth+1 tokens per forward and yielding each step's committed tokens, greedy
-    or, with `sampler`, sampled; `ops` (tr_engine.ops) compacts the cache. `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every
-    prefilled position (Token Recycling's optional prompt seeding). Returns the Generation."""
+    or, with `sampler`, sampled; `ops` (tr_engine.ops) compacts the cache. `seed_matrix(ids, logits)`, if given,
+    receives the prefill's logits at every prefilled position (Token Recycling's optional prompt seeding). Returns
+    the Generation."""
     new = uncached(cache, context_ids)
     # The same room as plain decoding: near the end of the cache a draft is cut to the slots left (fits).
     cache.check_room(len(new) + max_new_tokens, "the prompt plus --max-new-tokens")
