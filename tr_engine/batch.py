@@ -169,11 +169,11 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 r.accept_lengths.append(len(tokens))
                 r.verify_tokens.append(draft.tree.size)
                 yield Event(r.id, tokens, done=finish(r) if finished else None)
-
     finally:  # stopped early (Ctrl-C, a closed stream, an error): the slots go back, the sequences are dropped
         for r in list(active.values()):
             cache.give_back(r.slot)
         active.clear()
+
 
 def verify_batch(model: Llama, cache: BatchKVCache, slots: list[int], drafts: list[Draft]) -> torch.Tensor:
     """One forward over every sequence's root and draft nodes, each in its own slot after its own prefix (positions
