@@ -47,6 +47,7 @@ class Request:
     step_end_s: list[float] = field(default_factory=list)
     prefill_s: float = 0.0
     started: float = 0.0  # when its decoding began (after its prefill)
+    cancelled: bool = False  # set from any thread: the request leaves at the next step boundary, its slot freed
 
     @property
     def history(self) -> list[int]:
@@ -71,13 +72,29 @@ class Event:
     error: str | None = None
 
 
+END = object()  # what a request source's take() returns once no request will come again
+
+
+class Listed:
+    """A request source over an iterable of Requests (in id order): all of them, read as slots free up."""
+
+    def __init__(self, requests):
+        self.pending = iter(requests)
+
+    def take(self, block: bool):
+        return next(self.pending, END)
+
+
 def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: tuple[int, ...], ops,
                 limit: int | None = None):
-    """Decode `requests` (Requests, in id order; an iterable, read as slots free up) with at most `limit` (default
-    cache.slots) of them in each forward, drafting with `drafter` (None: plain decoding). Yields Events as tokens are
-    committed; a request ends with an Event carrying its Generation or its error."""
+    """Decode `requests` with at most `limit` (default cache.slots) of them in each forward, drafting with `drafter`
+    (None: plain decoding). Yields Events as tokens are committed; a request ends with an Event carrying its
+    Generation or its error. `requests` is an iterable of Requests in id order, or a source whose take(block)
+    returns the next Request, None when none is waiting (only when block is False: the batch is running), or END
+    (tr_engine/scheduler.py: requests that arrive while the batch runs). A request whose `cancelled` is set leaves at
+    the next step boundary with the error "cancelled"."""
     limit = cache.slots if limit is None else min(limit, cache.slots)
-    pending, active = iter(requests), {}
+    source, active = requests if hasattr(requests, "take") else Listed(requests), {}
     single = {}  # device -> the one-node tree of a plain step
     adaptive = getattr(drafter, "adaptive", None)  # an adaptive tree learns what a batched step costs
 
@@ -111,20 +128,27 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
         del active[r.id]
         return r.generation(eos_ids)
 
-    exhausted = False
+    ended = False
     try:
         while True:
-            while not exhausted and cache.free() and len(active) < limit:  # join at the step boundary
-                r = next(pending, None)
+            for r in [r for r in active.values() if r.cancelled]:  # left since the last step
+                finish(r)
+                yield Event(r.id, [], error="cancelled")
+            while not ended and cache.free() and len(active) < limit:  # join at the step boundary
+                r = source.take(block=not active)
                 if r is None:
-                    exhausted = True
+                    break
+                if r is END:
+                    ended = True
                     break
                 event = admit(r)
                 if event.error is None and (event.tokens[0] in eos_ids or r.max_new_tokens == 1):
                     event.done = finish(r)
                 yield event
             if not active:
-                return
+                if ended:
+                    return
+                continue
             with torch.inference_mode():
                 started = time.perf_counter()
                 order = sorted(active.values(), key=lambda r: r.id)

@@ -1,0 +1,87 @@
+"""The batched engine as a service (tr_engine/scheduler.py): requests from many threads, at any time, each exactly
+what it gets alone; cancellation frees the slot; a bounded queue; a clean close."""
+
+import threading
+
+import pytest
+import torch
+
+from tr_engine.engine import Engine
+from tr_engine.scheduler import QueueFull, RequestError, Scheduler
+
+PROMPTS = ["hello there", "a b c a b c", "the cat sat on the mat", "why?", "one two three", "hello hello",
+           "tell me about the sea", "x"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    return str(tiny_factory("sched64", dtype=torch.float64, vocab_size=300, std=0.5))
+
+
+@pytest.mark.parametrize("method", ["ar", "hybrid"])
+def test_requests_from_eight_threads_each_get_their_tokens_alone(tiny, method):
+    engine = Engine.from_pretrained(tiny, dtype="float64", max_batch=3)
+    want = [engine.generate(p, max_new_tokens=24, method="ar").token_ids for p in PROMPTS]
+    scheduler = Scheduler(engine, method=method)
+    got = [None] * len(PROMPTS)
+
+    def client(i):
+        handle = scheduler.submit(PROMPTS[i], max_new_tokens=24)
+        streamed = [t for tokens in handle.tokens() for t in tokens]
+        got[i] = (streamed, handle.result().token_ids)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    scheduler.close()
+    assert [g[0] for g in got] == want and [g[1] for g in got] == want
+
+
+def test_a_cancelled_request_leaves_and_the_others_finish(tiny):
+    engine = Engine.from_pretrained(tiny, dtype="float64", max_batch=2)
+    want = [engine.generate(p, max_new_tokens=40, method="ar").token_ids for p in PROMPTS[:4]]
+    scheduler = Scheduler(engine, method="tr")
+    handles = [scheduler.submit(p, max_new_tokens=40) for p in PROMPTS[:4]]
+    steps = handles[0].tokens()
+    next(steps), next(steps)
+    handles[0].cancel()  # a client gone mid-stream
+    handles[3].cancel()  # one that has not joined yet (2 slots), maybe
+    with pytest.raises(RequestError, match="cancelled"):
+        handles[0].result()
+    assert [h.result().token_ids for h in handles[1:3]] == want[1:3]
+    with pytest.raises(RequestError, match="cancelled"):
+        handles[3].result()
+    scheduler.close()
+    assert engine.batch_cache().free() == 2
+
+
+def test_the_queue_is_bounded_and_a_closed_scheduler_takes_nothing(tiny):
+    engine = Engine.from_pretrained(tiny, dtype="float64", max_batch=1)
+    scheduler = Scheduler(engine, method="ar", max_queued=2)
+    handles, refused = [], 0
+    for p in PROMPTS[:5]:
+        try:
+            handles.append(scheduler.submit(p, max_new_tokens=30))
+        except QueueFull as e:
+            refused += 1
+            assert "waiting for a slot" in str(e)
+    assert refused >= 1 and len(handles) >= 2
+    assert scheduler.stats()["queued"] <= 2
+    scheduler.close()
+    assert all(len(h.result().token_ids) == 30 for h in handles)  # closing lets the running ones finish
+    with pytest.raises(RequestError, match="shutting down"):
+        scheduler.submit("hi")
+
+
+def test_bad_prompts_are_refused_at_submit(tiny):
+    engine = Engine.from_pretrained(tiny, dtype="float64", max_batch=1, max_context=64)
+    scheduler = Scheduler(engine, method="ar")
+    with pytest.raises(Exception, match="empty"):
+        scheduler.submit("   ")
+    handle = scheduler.submit("word " * 80, max_new_tokens=4)  # too long for the batch's cache: fails alone
+    with pytest.raises(RequestError, match="--max-context"):
+        handle.result()
+    assert len(scheduler.submit("hi", max_new_tokens=3).result().token_ids) == 3
+    scheduler.close()

@@ -1,0 +1,168 @@
+"""The batched engine as a service: requests submitted from any thread, at any time, join the running batch.
+
+    scheduler = Scheduler(engine, max_queued=64)
+    handle = scheduler.submit([{"role": "user", "content": "Hi"}], max_new_tokens=64)
+    for tokens in handle.tokens():      # each step's committed ids, as they come
+        ...
+    result = handle.result()            # the Generation (or a RequestError)
+    handle.cancel()                     # a client gone: its slot is freed at the next step
+    scheduler.close(grace=10.0)         # finish what runs (or cancel it after `grace` seconds), then stop
+
+One thread runs tr_engine.batch.batch_steps over a queue: a request waits there until a slot is free, and joins at
+the next step boundary; each request's events go to its own handle. The queue is bounded: past `max_queued` waiting
+requests, submit raises QueueFull (a server answers 503 with Retry-After). Every request gets exactly the tokens it
+would get alone (tr_engine/batch.py says why). What the HTTP server of the serving issue builds on.
+"""
+
+import itertools
+import queue
+import threading
+from collections import deque
+
+from tr_engine.batch import END, Request, batch_steps
+from tr_engine.decode import Generation
+from tr_engine.errors import UserError
+from tr_engine.methods import AR
+from tr_engine.sampling import Sampling
+
+
+class QueueFull(UserError):
+    """Too many requests are waiting for a slot; try again shortly."""
+
+
+class RequestError(UserError):
+    """A request that could not run, or was cancelled."""
+
+
+class Handle:
+    """One submitted request: its events as they come, its result, and cancel()."""
+
+    def __init__(self, request: Request):
+        self.request, self.id = request, request.id
+        self._events: queue.Queue = queue.Queue()
+        self._result: Generation | None = None
+        self._error: str | None = None
+        self._ended = False  # the end was read
+
+    def tokens(self):
+        """Yield each step's committed token ids until the request ends; then return (result() says how)."""
+        while not self._ended:
+            event = self._events.get()
+            if event is None:
+                self._ended = True
+                return
+            yield event
+
+    def result(self) -> Generation:
+        """Wait for the end; the Generation, or a RequestError (cancelled, or the request could not run)."""
+        for _ in self.tokens():
+            pass
+        if self._error is not None:
+            raise RequestError(self._error)
+        return self._result
+
+    def cancel(self) -> None:
+        """Leave at the next step boundary (or before joining), freeing the slot."""
+        self.request.cancelled = True
+
+
+class Scheduler:
+    def __init__(self, engine, method: str | None = None, max_queued: int = 64):
+        from tr_engine.engine import check_method
+
+        self.engine, self.max_queued = engine, max_queued
+        self.method = check_method(method or engine.method)
+        self._waiting: deque[Request] = deque()
+        self._handles: dict[int, Handle] = {}
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        drafter = None if self.method == AR else engine.drafter(self.method)
+        adaptive = getattr(drafter, "adaptive", None)
+        if adaptive is not None and not adaptive.pinned:
+            adaptive.cost = engine.cost_model()
+        self._steps = batch_steps(engine.model, engine.batch_cache(), self, drafter, engine.tokenizer.eos_ids,
+                                  engine.ops)
+        self._thread = threading.Thread(target=self._run, name="tr-engine-batch", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt, max_new_tokens: int = 256, *, chat_template: bool = True, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Handle:
+        """Queue a prompt (a string or messages) for the running batch; its one-line error at once if it is not a
+        prompt, QueueFull when too many wait already, RequestError after close()."""
+        from tr_engine import checks
+
+        sampling = Sampling(temperature, top_k, top_p)
+        checks.integer(max_new_tokens, "max_new_tokens", 1)
+        ids = self.engine.prompt_ids(prompt, chat_template)
+        with self._cond:
+            if self._closed:
+                raise RequestError("the server is shutting down; send the request again once it is back")
+            if len(self._waiting) >= self.max_queued:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting for a slot already; retry shortly")
+            request = Request(next(self._ids), ids, max_new_tokens, self.engine.sampler(sampling, seed))
+            handle = self._handles[request.id] = Handle(request)
+            self._waiting.append(request)
+            self._cond.notify()
+        return handle
+
+    def take(self, block: bool):
+        """batch_steps' request source: the next waiting request (cancelled ones are dropped), None when none waits,
+        END once closed and drained; with `block`, wait for one."""
+        with self._cond:
+            while True:
+                while self._waiting and self._waiting[0].cancelled:
+                    self._end(self._handles.pop(self._waiting.popleft().id), None, "cancelled")
+                if self._waiting:
+                    return self._waiting.popleft()
+                if self._closed:
+                    return END
+                if not block:
+                    return None
+                self._cond.wait()
+
+    def stats(self) -> dict:
+        """Sequences decoding and waiting now."""
+        with self._cond:
+            return {"running": len(self._handles) - len(self._waiting), "queued": len(self._waiting)}
+
+    def close(self, grace: float = 10.0) -> None:
+        """Take no more requests; let the running ones finish for up to `grace` seconds, then cancel the rest."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(grace)
+        if self._thread.is_alive():
+            with self._cond:
+                handles = list(self._handles.values())
+            for h in handles:
+                h.cancel()
+            self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            for event in self._steps:
+                with self._cond:
+                    handle = self._handles.get(event.request)
+                if handle is None:
+                    continue
+                if event.tokens:
+                    handle._events.put(event.tokens)
+                if event.done is not None or event.error is not None:
+                    with self._cond:
+                        self._handles.pop(event.request, None)
+                    self._end(handle, event.done, event.error)
+        except BaseException as e:  # the batch itself failed: every request hears why, none waits forever
+            with self._cond:
+                self._closed = True
+                handles = list(self._handles.values())
+                self._handles.clear()
+                self._waiting.clear()
+            for h in handles:
+                self._end(h, None, f"internal error ({type(e).__name__}: {e})")
+            raise
+
+    @staticmethod
+    def _end(handle: Handle, result: Generation | None, error: str | None) -> None:
+        handle._result, handle._error = result, error
+        handle._events.put(None)
