@@ -335,10 +335,7 @@ class Engine:
             request_seed = None if seed is None else (seed + i) % (checks.MAX_SEED + 1)
             requests.append(Request(i, ids, max_new_tokens, self.sampler(sampling, request_seed)))
             decoders[i] = StreamDecoder(self.tokenizer, ids)
-        drafter = None if method == AR else self.drafter(method)
-        adaptive = getattr(drafter, "adaptive", None)
-        if adaptive is not None and not adaptive.pinned:
-            adaptive.cost = self.cost_model()
+        drafter = None if method == AR else self.priced(self.drafter(method))
         eos = self.tokenizer.eos_ids
         prompt_of = {r.id: r.prompt_ids for r in requests}
         for event in batch_steps(self.model, self.batch_cache(), requests, drafter, eos, self.ops, batch_size):
@@ -358,6 +355,14 @@ class Engine:
                 results[i] = GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, prompt_of[i], gen)
         return results
 
+    def priced(self, drafter):
+        """The drafter, its adaptive tree (if any) pricing its steps by the engine's current cost curve, unless it
+        was given a curve of its own (measured here at first use: a few seconds that overwrite the KV cache)."""
+        adaptive = getattr(drafter, "adaptive", None)
+        if adaptive is not None and not adaptive.pinned:
+            adaptive.cost = self.cost_model()
+        return drafter
+
     def batch_cache(self) -> BatchKVCache:
         """The batch's caches (max_batch slots of batch_context tokens), allocated at the first batch."""
         if self._batch_cache is None:
@@ -375,12 +380,8 @@ class Engine:
         method = drafter.name if drafter is not None else check_method(method or self.method)
         # Refuse what cannot fit before measuring anything (the decode loops check the same again).
         self.cache.check_room(len(ids) + max_new_tokens, "the prompt plus --max-new-tokens", start=0)
-        if method != AR:
-            drafter = drafter or self.drafter(method)
-            adaptive = getattr(drafter, "adaptive", None)
-            # The engine's current curve, unless the drafter has its own (measuring, once, overwrites the cache: first).
-            if adaptive is not None and not adaptive.pinned:
-                adaptive.cost = self.cost_model()
+        if method != AR:  # (measuring the cost curve, once, overwrites the cache: before anything is cached)
+            drafter = self.priced(drafter or self.drafter(method))
         keep = shared_prefix(self.cached_ids, ids) if reuse_cache else 0
         self.cache.length = min(keep, len(ids) - 1)  # the last prompt token is always run: its logits start decoding
         # The loop writes only after these slots, so an interrupted call (Ctrl-C) still leaves them to reuse.

@@ -77,10 +77,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
-        drafter = None if self.method == AR else engine.drafter(self.method)
-        adaptive = getattr(drafter, "adaptive", None)
-        if adaptive is not None and not adaptive.pinned:
-            adaptive.cost = engine.cost_model()
+        drafter = None if self.method == AR else engine.priced(engine.drafter(self.method))
         self._steps = batch_steps(engine.model, engine.batch_cache(), self, drafter, engine.tokenizer.eos_ids,
                                   engine.ops)
         self._thread = threading.Thread(target=self._run, name="tr-engine-batch", daemon=True)
