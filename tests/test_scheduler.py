@@ -1,12 +1,14 @@
 """The batched engine as a service (tr_engine/scheduler.py): requests from many threads, at any time, each exactly
 what it gets alone; cancellation frees the slot; a bounded queue; a clean close."""
 
+import asyncio
 import threading
 
 import pytest
 import torch
 
 from tr_engine.engine import Engine
+from tr_engine.errors import ContextOverflow
 from tr_engine.scheduler import QueueFull, RequestError, Scheduler
 
 PROMPTS = ["hello there", "a b c a b c", "the cat sat on the mat", "why?", "one two three", "hello hello",
@@ -80,8 +82,33 @@ def test_bad_prompts_are_refused_at_submit(tiny):
     scheduler = Scheduler(engine, method="ar")
     with pytest.raises(Exception, match="empty"):
         scheduler.submit("   ")
-    handle = scheduler.submit("word " * 80, max_new_tokens=4)  # too long for the batch's cache: fails alone
-    with pytest.raises(RequestError, match="--max-context"):
-        handle.result()
+    with pytest.raises(ContextOverflow, match="each sequence holds 64"):  # too long for a sequence's cache
+        scheduler.submit("word " * 80, max_new_tokens=4)
+    with pytest.raises(ContextOverflow, match="each sequence holds 64"):  # and with no limit: no room at all
+        scheduler.submit("word " * 80, max_new_tokens=None)
+    with pytest.raises(Exception, match="token id"):
+        scheduler.submit([1, 2, 10**6], chat_template=False)
     assert len(scheduler.submit("hi", max_new_tokens=3).result().token_ids) == 3
+    ids = engine.prompt_ids("hi")
+    assert len(scheduler.submit(ids, max_new_tokens=None, chat_template=False).result().token_ids) == 64 - len(ids)
     scheduler.close()
+
+
+def test_an_asyncio_reader_gets_each_request_alone(tiny):
+    engine = Engine.from_pretrained(tiny, dtype="float64", max_batch=2)
+    want = [engine.generate(p, max_new_tokens=16, method="ar").token_ids for p in PROMPTS[:3]]
+    scheduler = Scheduler(engine, method="tr")
+
+    async def one(prompt):
+        handle = scheduler.submit(prompt, max_new_tokens=16, loop=asyncio.get_running_loop())
+        with pytest.raises(RuntimeError, match="atokens"):
+            next(handle.tokens())
+        streamed = [t async for tokens in handle.atokens() for t in tokens]
+        return streamed, handle.result().token_ids
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in PROMPTS[:3]))
+
+    got = asyncio.run(main())
+    scheduler.close()
+    assert [g[0] for g in got] == want and [g[1] for g in got] == want

@@ -8,12 +8,16 @@
     handle.cancel()                     # a client gone: its slot is freed at the next step
     scheduler.close(grace=10.0)         # finish what runs (or cancel it after `grace` seconds), then stop
 
+An asyncio server submits with `loop=` (its running loop) and reads `async for tokens in handle.atokens()`: the
+events then reach it through the loop (call_soon_threadsafe), and no thread of its own waits on a queue.
+
 One thread runs tr_engine.batch.batch_steps over a queue: a request waits there until a slot is free, and joins at
 the next step boundary; each request's events go to its own handle. The queue is bounded: past `max_queued` waiting
 requests, submit raises QueueFull (a server answers 503 with Retry-After). Every request gets exactly the tokens it
 would get alone (tr_engine/batch.py says why). What the HTTP server of the serving issue builds on.
 """
 
+import asyncio
 import itertools
 import queue
 import threading
@@ -21,7 +25,7 @@ from collections import deque
 
 from tr_engine.batch import END, Request, batch_steps
 from tr_engine.decode import Generation
-from tr_engine.errors import UserError
+from tr_engine.errors import ContextOverflow, UserError
 from tr_engine.methods import AR
 from tr_engine.sampling import Sampling
 
@@ -37,15 +41,23 @@ class RequestError(UserError):
 class Handle:
     """One submitted request: its events as they come, its result, and cancel()."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None = None):
         self.request, self.id = request, request.id
-        self._events: queue.Queue = queue.Queue()
         self._result: Generation | None = None
         self._error: str | None = None
         self._ended = False  # the end was read
+        self._async = loop is not None
+        if loop is None:
+            self._events = queue.Queue()
+            self._put = self._events.put
+        else:
+            self._events = asyncio.Queue()
+            self._put = lambda item: _call_soon(loop, self._events.put_nowait, item)
 
     def tokens(self):
         """Yield each step's committed token ids until the request ends; then return (result() says how)."""
+        if self._async:
+            raise RuntimeError("this request was submitted with loop=: read it with `async for … in atokens()`")
         while not self._ended:
             event = self._events.get()
             if event is None:
@@ -53,10 +65,21 @@ class Handle:
                 return
             yield event
 
+    async def atokens(self):
+        """tokens(), for a request submitted with loop=, awaited on that loop."""
+        while not self._ended:
+            event = await self._events.get()
+            if event is None:
+                self._ended = True
+                return
+            yield event
+
     def result(self) -> Generation:
-        """Wait for the end; the Generation, or a RequestError (cancelled, or the request could not run)."""
-        for _ in self.tokens():
-            pass
+        """Wait for the end; the Generation, or a RequestError (cancelled, or the request could not run). A request
+        submitted with loop= must have been read to its end with atokens() first."""
+        if not self._ended:
+            for _ in self.tokens():
+                pass
         if self._error is not None:
             raise RequestError(self._error)
         return self._result
@@ -83,22 +106,42 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="tr-engine-batch", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt, max_new_tokens: int = 256, *, chat_template: bool = True, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Handle:
-        """Queue a prompt (a string or messages) for the running batch; its one-line error at once if it is not a
-        prompt, QueueFull when too many wait already, RequestError after close()."""
+    @property
+    def context(self) -> int:
+        """The tokens each sequence may hold, its prompt and its answer together."""
+        return self.engine.batch_context
+
+    def submit(self, prompt, max_new_tokens: int | None = 256, *, chat_template: bool = True,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        """Queue a prompt (a string, messages, or with chat_template=False a list of token ids) for the running
+        batch, for up to `max_new_tokens` (None: as many as the context holds after the prompt); its one-line error
+        at once if it is not a prompt or does not fit (ContextOverflow), QueueFull when too many wait already,
+        RequestError after close(). With `loop`, the handle is read with atokens() on that event loop."""
         from tr_engine import checks
 
         sampling = Sampling(temperature, top_k, top_p)
-        checks.integer(max_new_tokens, "max_new_tokens", 1)
-        ids = self.engine.prompt_ids(prompt, chat_template)
+        if max_new_tokens is not None:
+            checks.integer(max_new_tokens, "max_new_tokens", 1)
+        if not chat_template and isinstance(prompt, (list, tuple)) and prompt and \
+                all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = [checks.integer(t, "a prompt token id", 0, self.engine.model.config.vocab_size - 1) for t in prompt]
+        else:
+            ids = self.engine.prompt_ids(prompt, chat_template)
+        room = self.context - len(ids)
+        if max_new_tokens is None:
+            max_new_tokens = max(room, 1)
+        if max_new_tokens > room:
+            raise ContextOverflow(f"the prompt ({len(ids)} tokens) plus up to {max_new_tokens} new tokens needs "
+                                  f"{len(ids) + max_new_tokens} tokens of context but each sequence holds "
+                                  f"{self.context}; shorten the prompt or ask for fewer new tokens")
         with self._cond:
             if self._closed:
                 raise RequestError("the server is shutting down; send the request again once it is back")
             if len(self._waiting) >= self.max_queued:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting for a slot already; retry shortly")
             request = Request(next(self._ids), ids, max_new_tokens, self.engine.sampler(sampling, seed))
-            handle = self._handles[request.id] = Handle(request)
+            handle = self._handles[request.id] = Handle(request, loop)
             self._waiting.append(request)
             self._cond.notify()
         return handle
@@ -123,6 +166,11 @@ class Scheduler:
         with self._cond:
             return {"running": len(self._handles) - len(self._waiting), "queued": len(self._waiting)}
 
+    @property
+    def closed(self) -> bool:
+        """close() was called: no request is taken any more."""
+        return self._closed
+
     def close(self, grace: float = 10.0) -> None:
         """Take no more requests; let the running ones finish for up to `grace` seconds, then cancel the rest."""
         with self._cond:
@@ -144,7 +192,7 @@ class Scheduler:
                 if handle is None:
                     continue
                 if event.tokens:
-                    handle._events.put(event.tokens)
+                    handle._put(event.tokens)
                 if event.done is not None or event.error is not None:
                     with self._cond:
                         self._handles.pop(event.request, None)
@@ -162,4 +210,11 @@ class Scheduler:
     @staticmethod
     def _end(handle: Handle, result: Generation | None, error: str | None) -> None:
         handle._result, handle._error = result, error
-        handle._events.put(None)
+        handle._put(None)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody reads this request any more
+        pass
