@@ -8,14 +8,13 @@ only the answers go to stdout (statistics to stderr). User errors print one line
 """
 
 import sys
-from pathlib import Path
 
 from tr_engine import checks
 from tr_engine.cli import ArgumentParser, run, warn
-from tr_engine.cli_args import add_engine_args, engine_from_args, integer, sampling_from_args
+from tr_engine.cli_args import add_engine_args, add_matrix_args, engine_from_args, integer, load_matrix, \
+    sampling_from_args
 from tr_engine.errors import MatrixFileError, UserError, one_line
 from tr_engine.methods import methods
-from tr_engine.models import home
 
 HELP = """commands:
   /reset          start a new conversation (the recycling matrix is kept)
@@ -35,8 +34,7 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--prompt", default=None, help="answer this one message and exit")
     ap.add_argument("--system", default=None, help="a system message to start the conversation with")
     ap.add_argument("--max-new-tokens", type=integer(1), default=512, help="longest answer, in tokens (default 512)")
-    ap.add_argument("--matrix", default=None, help="recycling matrix file (default: one per model in the cache)")
-    ap.add_argument("--no-persist", action="store_true", help="neither load nor save the recycling matrix")
+    add_matrix_args(ap)
     ap.add_argument("--quiet", action="store_true", help="no status line after each answer")
     return ap
 
@@ -136,13 +134,6 @@ def describe(title: str, results) -> str:
     return "\n".join(lines)
 
 
-def matrix_path(args, engine) -> Path:
-    if args.matrix:
-        return Path(args.matrix)
-    name = f"{engine.folder.name}-{engine.tokenizer.fingerprint()[:12]}-k{args.matrix_k}.pt"
-    return home() / "matrices" / name
-
-
 def command(session: Session, line: str) -> bool:
     """Run a /command; False means quit."""
     word, _, arg = line.partition(" ")
@@ -235,11 +226,7 @@ def main(argv=None) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")
     sampling = sampling_from_args(args)  # bad values are refused before the model loads
     engine = engine_from_args(args)
-    save_to = None
-    if not args.no_persist:
-        save_to = matrix_path(args, engine)
-        if save_to.is_file():
-            engine.load_matrix(save_to)  # a file that is not a matrix for this model stops here, left as it is
+    save_to = load_matrix(args, engine)
     status = 0
     try:
         session = Session(engine, args.method, args.max_new_tokens, args.system, args.seed_from_prompt, sampling)

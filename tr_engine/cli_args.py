@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+from pathlib import Path
 
 from tr_engine import checks
 from tr_engine.errors import UserError
@@ -88,6 +89,28 @@ def add_sampling_args(ap: argparse.ArgumentParser) -> None:
                     help="sample among the most likely tokens that hold this much probability only (1: all)")
     ap.add_argument("--seed", type=integer(0, checks.MAX_SEED), default=None,
                     help="seed of the sampling: the same seed gives the same answers, whatever the method")
+
+
+def add_matrix_args(ap: argparse.ArgumentParser) -> None:
+    """The recycling matrix kept across runs (chat, serve): loaded at start, saved at the end."""
+    ap.add_argument("--matrix", default=None, help="recycling matrix file (default: one per model in the cache)")
+    ap.add_argument("--no-persist", action="store_true", help="neither load nor save the recycling matrix")
+
+
+def load_matrix(args, engine):
+    """Load the run's matrix file into the engine if it exists (a file that is not a matrix for this model stops
+    the run, left as it is); the Path to save it to at the end, or None with --no-persist."""
+    if args.no_persist:
+        return None
+    if args.matrix:
+        path = Path(args.matrix)
+    else:
+        from tr_engine.models import home
+
+        path = home() / "matrices" / f"{engine.folder.name}-{engine.tokenizer.fingerprint()[:12]}-k{args.matrix_k}.pt"
+    if path.is_file():
+        engine.load_matrix(path)
+    return path
 
 
 def sampling_from_args(args):
