@@ -13,8 +13,8 @@ MODEL       ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
 
-.PHONY: install model chat generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-soak cuda-check \
-        gpu-check clean
+.PHONY: install model chat serve generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-soak \
+        bench-serve cuda-check gpu-check clean
 
 $(VENV)/.deps: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ model: install
 
 chat: model
 	$(PY) -m tr_engine.chat --model "$(MODEL)"
+
+# The OpenAI-compatible server on http://127.0.0.1:$(PORT)/v1 (README, "Serve"); SERVE_ARGS adds flags.
+PORT       ?= 8000
+SERVE_ARGS ?=
+serve: model
+	$(PY) -m tr_engine.serve --model "$(MODEL)" --port $(PORT) $(SERVE_ARGS)
 
 generate: model
 	$(PY) -m tr_engine.generate --model "$(MODEL)" --prompt "$(PROMPT)"
@@ -73,6 +79,11 @@ bench-step: model
 # 300 piped chat turns in one process, resident memory every 25 (about 10 minutes here).
 bench-soak: model
 	$(PY) -m bench.chat_soak
+
+# The server with 1, 4 and 16 concurrent OpenAI clients, then its soak run (500 requests from 16 clients).
+bench-serve: model
+	$(PY) -m bench.serve
+	$(PY) -m bench.serve --soak
 
 # Compile every CUDA kernel for Ampere and Hopper with nvcc alone, and the torch-facing launchers against torch's
 # headers (no CUDA build of torch needed).

@@ -112,3 +112,18 @@ def test_an_asyncio_reader_gets_each_request_alone(tiny):
     got = asyncio.run(main())
     scheduler.close()
     assert [g[0] for g in got] == want and [g[1] for g in got] == want
+
+
+def test_chores_run_on_the_batch_thread_and_a_failing_one_does_not_stop_it(tiny):
+    engine = Engine.from_pretrained(tiny, dtype="float64", max_batch=2)
+    scheduler = Scheduler(engine, method="tr")
+    seen, idle = [], threading.Event()
+    handle = scheduler.submit(PROMPTS[0], max_new_tokens=40)
+    steps = handle.tokens()
+    next(steps)
+    scheduler.between_steps(lambda: seen.append(threading.current_thread().name))
+    scheduler.between_steps(lambda: 1 / 0)  # a failing chore is reported, and the batch goes on
+    assert len(handle.result().token_ids) == 40
+    scheduler.between_steps(idle.set)  # nothing runs: done at once, on the batch's thread
+    assert idle.wait(10) and seen == ["tr-engine-batch"]
+    scheduler.close()

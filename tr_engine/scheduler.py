@@ -20,6 +20,7 @@ would get alone (tr_engine/batch.py says why). What the HTTP server of the servi
 import asyncio
 import itertools
 import queue
+import sys
 import threading
 from collections import deque
 
@@ -100,6 +101,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
+        self._chores: list = []  # between_steps' callables, for the batch's thread
         drafter = None if self.method == AR else engine.priced(engine.drafter(self.method))
         self._steps = batch_steps(engine.model, engine.batch_cache(), self, drafter, engine.tokenizer.eos_ids,
                                   engine.ops)
@@ -148,9 +150,9 @@ class Scheduler:
 
     def take(self, block: bool):
         """batch_steps' request source: the next waiting request (cancelled ones are dropped), None when none waits,
-        END once closed and drained; with `block`, wait for one."""
-        with self._cond:
-            while True:
+        END once closed and drained; with `block`, wait for one (doing the chores of between_steps meanwhile)."""
+        while True:
+            with self._cond:
                 while self._waiting and self._waiting[0].cancelled:
                     self._end(self._handles.pop(self._waiting.popleft().id), None, "cancelled")
                 if self._waiting:
@@ -159,7 +161,16 @@ class Scheduler:
                     return END
                 if not block:
                     return None
-                self._cond.wait()
+                if not self._chores:
+                    self._cond.wait()
+            self._do_chores()
+
+    def between_steps(self, chore) -> None:
+        """Run chore() on the batch's thread at the next step boundary (at once when no request runs), where nothing
+        changes the engine's state meanwhile: a consistent snapshot of the recycling matrix, say."""
+        with self._cond:
+            self._chores.append(chore)
+            self._cond.notify()
 
     def stats(self) -> dict:
         """Sequences decoding and waiting now."""
@@ -187,6 +198,8 @@ class Scheduler:
     def _run(self) -> None:
         try:
             for event in self._steps:
+                if self._chores:  # batch_steps yields only between its ops: nothing is half-updated here
+                    self._do_chores()
                 with self._cond:
                     handle = self._handles.get(event.request)
                 if handle is None:
@@ -206,6 +219,16 @@ class Scheduler:
             for h in handles:
                 self._end(h, None, f"internal error ({type(e).__name__}: {e})")
             raise
+
+    def _do_chores(self) -> None:
+        with self._cond:
+            chores, self._chores = self._chores, []
+        for chore in chores:
+            try:
+                chore()
+            except Exception as e:  # a chore's failure is its own: the batch goes on
+                print(f"warning: a chore between steps failed ({type(e).__name__}: {e})", file=sys.stderr,
+                      flush=True)
 
     @staticmethod
     def _end(handle: Handle, result: Generation | None, error: str | None) -> None:

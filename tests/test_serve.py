@@ -1,0 +1,325 @@
+"""The OpenAI-compatible server (tr_engine/serve.py, tr_engine/openai_api.py), started as a user starts it, on a free
+port of 127.0.0.1, and spoken to with OpenAI's own client (and raw HTTP where a client would refuse to send it)."""
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from tr_engine.engine import Engine
+from tr_engine.openai_api import StopText
+
+PROMPTS = ["hello there", "a b c a b c", "the cat sat on the mat", "why?", "one two three", "hello hello",
+           "tell me about the sea", "x"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Server:
+    """`python -m tr_engine.serve` in a child process, on a free port; stop() sends SIGTERM and waits."""
+
+    def __init__(self, model: str, *flags: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.process = subprocess.Popen([sys.executable, "-m", "tr_engine.serve", "--model", model, "--port",
+                                         str(self.port), *flags], cwd=ROOT, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 180
+        while True:
+            try:
+                if self.get("/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if self.process.poll() is not None:
+                raise AssertionError(f"the server exited with {self.process.returncode}: {self.process.stdout.read()}")
+            assert time.time() < deadline, "the server did not answer /health within 180 s"
+            time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
+                                    timeout=120)
+        self.model = self.client.models.list().data[0].id
+
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        conn.request(method, path, data, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        status, headers, text = response.status, dict(response.getheaders()), response.read().decode()
+        conn.close()
+        return status, headers, text
+
+    def get(self, path: str):
+        status, _, text = self.request("GET", path)
+        return status, text
+
+    def metric(self, name: str) -> float:
+        lines = [line for line in self.get("/metrics")[1].splitlines() if line.startswith(name + " ")
+                 or line.startswith(name + "{")]
+        return sum(float(line.split()[-1]) for line in lines)
+
+    def stop(self, timeout: float = 60) -> tuple[int, str]:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        out, _ = self.process.communicate(timeout=timeout)
+        return self.process.returncode, out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    return str(tiny_factory("serve64", dtype=torch.float64, vocab_size=300, std=0.5, max_positions=4096))
+
+
+@pytest.fixture(scope="module")
+def alone(tiny):
+    """What the engine answers each request alone: the reference every server answer must equal."""
+    engine = Engine.from_pretrained(tiny, dtype="float64")
+
+    def answer(prompt, max_new_tokens=24, chat=True):
+        return engine.generate(prompt, max_new_tokens, chat_template=chat, method="ar")
+
+    return answer
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = Server(tiny, "--dtype", "float64", "--batch", "3", "--no-persist", "--max-context", "256")
+    yield s
+    code, out = s.stop()
+    assert code == 0, out
+
+
+def messages(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
+
+
+def test_streamed_text_equals_the_whole_answer_and_engine_generate(server, alone):
+    model = server.model
+    for prompt in PROMPTS[:3]:
+        want = alone(messages(prompt))
+        whole = server.client.chat.completions.create(model=model, messages=messages(prompt), max_tokens=24,
+                                                      temperature=0)
+        chunks = list(server.client.chat.completions.create(model=model, messages=messages(prompt), max_tokens=24,
+                                                            temperature=0, stream=True,
+                                                            stream_options={"include_usage": True}))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert whole.choices[0].message.content == streamed == want.text
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert reasons == [whole.choices[0].finish_reason] == [{"eos": "stop", "length": "length"}[
+            want.generation.finish_reason]]
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == [] and usage.total_tokens == whole.usage.total_tokens
+        assert usage.prompt_tokens == len(want.prompt_ids) and usage.completion_tokens == len(want.token_ids)
+        assert usage.model_extra["tr_engine"]["method"] == "hybrid"
+        assert usage.model_extra["tr_engine"]["mean_accepted_tokens"] >= 1.0
+
+
+def test_completions_take_raw_text_and_token_ids(server, alone):
+    model = server.model
+    want = alone("the cat sat on", chat=False)
+    got = server.client.completions.create(model=model, prompt="the cat sat on", max_tokens=24, temperature=0)
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+        model=model, prompt="the cat sat on", max_tokens=24, temperature=0, stream=True))
+    by_ids = server.client.completions.create(model=model, prompt=want.prompt_ids, max_tokens=24, temperature=0)
+    assert got.choices[0].text == streamed == by_ids.choices[0].text == want.text
+
+
+def test_eight_concurrent_clients_get_what_each_gets_alone(server, alone):
+    want = [alone(messages(p)).text for p in PROMPTS]
+    got = [None] * len(PROMPTS)
+
+    def client(i):
+        kwargs = dict(model=server.model, messages=messages(PROMPTS[i]), max_tokens=24, temperature=0)
+        if i % 2:
+            got[i] = "".join(c.choices[0].delta.content or "" for c in
+                             server.client.chat.completions.create(stream=True, **kwargs))
+        else:
+            got[i] = server.client.chat.completions.create(**kwargs).choices[0].message.content
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+
+
+def test_stop_sequences_end_the_text_before_them(server, alone):
+    full = alone(messages(PROMPTS[2]), 40).text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    want = full[: full.find(stop)]
+    kwargs = dict(model=server.model, messages=messages(PROMPTS[2]), max_tokens=40, temperature=0, stop=[stop, "@@@"])
+    whole = server.client.chat.completions.create(**kwargs)
+    chunks = list(server.client.chat.completions.create(stream=True, **kwargs))
+    assert whole.choices[0].message.content == want == "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert whole.choices[0].finish_reason == "stop" == chunks[-1].choices[0].finish_reason
+
+
+def test_a_seeded_sampled_request_repeats(server):
+    kwargs = dict(model=server.model, messages=messages("hello"), max_tokens=24, temperature=1.0, seed=7)
+    a, b = (server.client.chat.completions.create(**kwargs).choices[0].message.content for _ in range(2))
+    c = server.client.chat.completions.create(**{**kwargs, "seed": 8}).choices[0].message.content
+    assert a == b and a != c
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_the_server_serving(server, alone):
+    cancelled = server.metric("tr_engine_requests_total{outcome=\"cancelled\"}")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"model": server.model, "messages": messages("tell me about the sea"), "max_tokens": 200,
+            "stream": True, "temperature": 0}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    response.fp.readline(), response.fp.readline(), response.fp.readline()  # the first events
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    answer = server.client.chat.completions.create(model=server.model, messages=messages("why?"), max_tokens=24,
+                                                   temperature=0)
+    assert answer.choices[0].message.content == alone(messages("why?")).text
+    deadline = time.time() + 30
+    while server.metric("tr_engine_requests_total{outcome=\"cancelled\"}") == cancelled or \
+            server.metric("tr_engine_running_sequences") != 0:
+        assert time.time() < deadline, "the disconnected request still holds its slot"
+        time.sleep(0.1)
+
+
+BAD = [  # path, body (or raw bytes), status, param
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": messages("hi")}, 404, "model"),
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": messages("word " * 400)}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "max_tokens": 10**6}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "top_p": 1.5}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "top_k": -2}, 400, "top_k"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "seed": -1}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": messages("hi"), "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_a_bad_request_gets_its_status_and_an_openai_error(server, path, body, status, param):
+    raw = body if isinstance(body, bytes) else None
+    code, _, text = server.request("POST", path, None if raw else body, raw)
+    error = json.loads(text)["error"]
+    assert code == status and set(error) == {"message", "type", "param", "code"}, text
+    assert error["param"] == param and error["message"] and "\n" not in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_the_openai_client_sees_the_errors_as_its_own(server):
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        server.client.chat.completions.create(model="gpt-4", messages=messages("hi"))
+    with pytest.raises(openai.BadRequestError, match="context"):
+        server.client.chat.completions.create(model=server.model, messages=messages("word " * 400))
+    assert server.request("GET", "/v1/chat/completions")[0] == 405
+    assert server.get("/nowhere")[0] == 404
+
+
+def test_stop_text_holds_back_what_may_start_a_stop_sequence():
+    s = StopText(["</end>", "ab"])
+    assert s.push("hello <") == "hello " and s.push("/e") == "" and s.push("nd") == ""
+    assert s.push("> more") == "" and s.hit and s.flush() == ""
+    s = StopText(["</end>"])
+    assert s.push("a </") == "a " and s.push("x") == "</x" and s.push("</e") == "" and s.flush() == "</e"
+    assert StopText([]).push("ab") == "ab"
+
+
+def test_a_full_queue_answers_503_and_sigterm_mid_stream_saves_the_matrix(tiny, tmp_path):
+    matrix = tmp_path / "matrix.pt"
+    s = Server(tiny, "--dtype", "float64", "--batch", "1", "--max-queued", "1", "--matrix", str(matrix),
+               "--grace", "0.5", "--method", "tr", "--max-context", "4096", "--save-every", "0.5")
+    try:
+        body = {"model": s.model, "messages": messages("tell me about the sea"), "temperature": 0,
+                "stream": True}  # no max_tokens: to the end of the context, 4096 tokens
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        running = conn.getresponse()
+        running.fp.readline()
+        statuses = [None, None]
+
+        def client(i):
+            try:
+                statuses[i] = s.request("POST", "/v1/chat/completions", {**body, "stream": False, "max_tokens": 4})
+            except OSError:  # the one that waited: its connection ends with the server
+                pass
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)  # the first waits in the queue; the second finds it full
+        busy = [r for r in statuses if r is not None and r[0] == 503]
+        assert len(busy) == 1 and busy[0][1]["retry-after"] == "1", statuses
+        assert json.loads(busy[0][2])["error"]["code"] == "server_busy"
+        deadline = time.time() + 10
+        while not matrix.exists():  # saved between steps while serving (--save-every)
+            assert time.time() < deadline, "the matrix was not saved while serving"
+            time.sleep(0.1)
+        matrix.unlink()
+        assert not running.fp.readline().startswith(b"data: [DONE]")  # still streaming
+        code, out = s.stop()  # mid-stream: the running request is cancelled after the grace, the queue too
+        for t in threads:
+            t.join(30)
+        tail = running.fp.read().decode()  # (raw chunked bytes: the events are whole inside them)
+        assert '"code": "shutting_down"' in tail and "data: [DONE]" in tail
+    finally:
+        s.process.kill()
+    assert code == 0, out
+    assert f"saved the recycling matrix to {matrix}" in out and "Traceback" not in out
+    engine = Engine.from_pretrained(tiny, dtype="float64")
+    engine.load_matrix(matrix)
+    assert engine.matrix.table.any()
+
+
+@pytest.mark.slow
+def test_smollm2_over_http_answers_as_the_engine_does(smollm2_dir, smollm2):
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+                 "Explain recursion in one sentence."]
+    want = [smollm2.generate(messages(q), 48, method="ar").text for q in questions]
+    s = Server(str(smollm2_dir), "--batch", "4", "--no-persist", "--max-context", "1024")
+    try:
+        got = [None] * len(questions)
+
+        def client(i):
+            chunks = s.client.chat.completions.create(model=s.model,
+                                                      messages=messages(questions[i]), max_tokens=48,
+                                                      temperature=0, stream=bool(i % 2))
+            got[i] = ("".join(c.choices[0].delta.content or "" for c in chunks) if i % 2
+                      else chunks.choices[0].message.content)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        code, out = s.stop()
+    assert got == want
+    assert code == 0, out

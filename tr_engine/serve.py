@@ -1,0 +1,167 @@
+"""An OpenAI-compatible server on the batched engine:
+
+    python -m tr_engine.serve --model NAME_OR_PATH [--host 127.0.0.1] [--port 8000] [--batch N] [--max-queued Q]
+        [--served-model-name NAME] [--matrix FILE | --no-persist] [--save-every S] [--grace S] [--access-log]
+        [--method hybrid|tr|pld|ar] [--tree ...] [--dtype D] [--threads T] [--max-context C] ...
+
+Every request joins the running batch as it arrives (tr_engine/scheduler.py), so each client gets exactly what it
+would get alone while Token Recycling's one matrix learns from every client. The endpoints and their errors:
+tr_engine/openai_api.py. HTTP and server-sent events are FastAPI on uvicorn, as vLLM and SGLang serve theirs.
+
+The matrix is loaded at start (the same file the chat keeps, unless --matrix says otherwise) and saved atomically,
+every --save-every seconds between two steps and at the end. SIGTERM or Ctrl-C stops the server: it takes no new
+connections, lets running requests finish for up to --grace seconds (then ends them with an error), saves the matrix
+and exits 0. A second Ctrl-C skips the wait (the matrix is still saved).
+"""
+
+import contextlib
+import signal
+import socket
+import sys
+import threading
+
+import uvicorn
+
+from tr_engine.cli import ArgumentParser, run, warn
+from tr_engine.cli_args import add_engine_args, add_matrix_args, engine_from_args, integer, load_matrix, real, \
+    sampling_from_args
+from tr_engine.errors import MatrixFileError, UserError
+
+DEFAULT_PORT = 8000
+DEFAULT_BATCH = 8
+DEFAULT_MAX_QUEUED = 64
+DEFAULT_GRACE_S = 5.0
+DEFAULT_SAVE_EVERY_S = 300.0
+SHUTDOWN_MARGIN_S = 10.0  # after the grace period: for the cancelled requests' last events to reach their clients
+
+
+def build_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m tr_engine.serve",
+                        description="Serve the OpenAI API (/v1/chat/completions, /v1/completions) on the batched "
+                                    "engine.")
+    add_engine_args(ap)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                        "only; 0.0.0.0: every interface)")
+    ap.add_argument("--port", type=integer(0, 65535), default=DEFAULT_PORT,
+                    help=f"port to listen on (default {DEFAULT_PORT}; 0: any free port, printed at start)")
+    ap.add_argument("--batch", type=integer(1), default=DEFAULT_BATCH, metavar="N",
+                    help=f"sequences decoded together (default {DEFAULT_BATCH}); more requests wait for a slot")
+    ap.add_argument("--max-queued", type=integer(0), default=DEFAULT_MAX_QUEUED, metavar="Q",
+                    help=f"requests that may wait for a slot (default {DEFAULT_MAX_QUEUED}); past it, 503 with "
+                         "Retry-After")
+    ap.add_argument("--served-model-name", default=None, metavar="NAME",
+                    help="the model's id in the API (default: the model folder's name)")
+    ap.add_argument("--grace", type=real(0.0), default=DEFAULT_GRACE_S, metavar="S",
+                    help=f"on SIGTERM or Ctrl-C, seconds running requests may take to finish (default "
+                         f"{DEFAULT_GRACE_S:g}) before they are cancelled and the matrix is saved")
+    ap.add_argument("--save-every", type=real(0.0), default=DEFAULT_SAVE_EVERY_S, metavar="S",
+                    help=f"also save the matrix every S seconds while serving (default {DEFAULT_SAVE_EVERY_S:g}; 0: "
+                         "only at the end), so a killed server loses little of what it learned")
+    ap.add_argument("--access-log", action="store_true", help="log every request's line on stderr")
+    add_matrix_args(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.seed_from_prompt:
+        raise UserError("--seed-from-prompt is not supported by the server (its batch shares one matrix); leave it "
+                        "out")
+    sampling = sampling_from_args(args)  # bad values are refused before the model loads
+    listener = listen(args.host, args.port)  # and a port that is taken
+    from tr_engine.openai_api import Defaults, create_app  # imports torch and FastAPI: after the checks
+    from tr_engine.scheduler import Scheduler
+
+    engine = engine_from_args(args)
+    save_to = load_matrix(args, engine)
+    scheduler = Scheduler(engine, args.method, args.max_queued)
+    name = args.served_model_name or engine.folder.name
+    app = create_app(scheduler, name, Defaults(sampling))
+    # On a signal, the scheduler gives running requests the grace period and then ends them itself, so that every
+    # response is complete (an error event, for a stream cut short) before uvicorn's own, later deadline.
+    config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
+                            lifespan="off", timeout_graceful_shutdown=args.grace + SHUTDOWN_MARGIN_S)
+    server = Server(config, on_stop=lambda: threading.Thread(target=scheduler.close, args=(args.grace,),
+                                                             daemon=True).start())
+    host, port = listener.getsockname()[:2]
+    print(f"tr-engine serving {name} ({args.method}, batch {args.batch}) at http://{host}:{port}/v1; "
+          "Ctrl-C to stop", file=sys.stderr, flush=True)
+    stop_saving = threading.Event()
+    if save_to is not None and args.save_every > 0:
+        threading.Thread(target=save_now_and_then, args=(scheduler, save_to, args.save_every, stop_saving),
+                         daemon=True).start()
+    try:
+        server.run(sockets=[listener])
+    finally:  # a signal, or an error: whatever still runs is cancelled (the grace was given), then the matrix
+        stop_saving.set()
+        scheduler.close(grace=0.0)
+        if save_to is not None and save(engine, save_to):
+            print(f"saved the recycling matrix to {save_to}", file=sys.stderr, flush=True)
+    return 0
+
+
+def save(engine, path) -> bool:
+    try:
+        engine.save_matrix(path)
+        return True
+    except MatrixFileError as e:  # the old file stays; serving goes on
+        warn(str(e))
+        return False
+
+
+def save_now_and_then(scheduler, path, every: float, stop: threading.Event) -> None:
+    """Every `every` seconds, save the matrix from the batch's thread between two steps (a consistent snapshot)."""
+    while not stop.wait(every):
+        scheduler.between_steps(lambda: save(scheduler.engine, path))
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now: a taken port or a bad address is a one-line error before the model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host!r} is not an address here ({e.strerror}); use 127.0.0.1 or 0.0.0.0")
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port, or stop what uses it")
+    sock.set_inheritable(True)
+    return sock
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, calling `on_stop()` at the first SIGINT or SIGTERM, and exiting 0 after them."""
+
+    def __init__(self, config: uvicorn.Config, on_stop):
+        super().__init__(config)
+        self.on_stop = on_stop
+
+    def handle_exit(self, sig, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first:
+            self.on_stop()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT and SIGTERM stop the server gracefully, and the process then exits 0: the stop was asked for.
+        (uvicorn's own handlers raise the signal again once the server is down, which would end the process by the
+        signal before the matrix is saved.)"""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))
