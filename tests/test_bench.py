@@ -147,3 +147,22 @@ def test_batch_bench_on_a_tiny_model(tiny_factory, tmp_path):
     assert all(r["identical"] == 2 and r["tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows.values())
     assert rows["ar@1"]["speedup"] == 1.0
     assert (tmp_path / "batch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_bench_and_its_soak_on_a_tiny_model(tiny_factory, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"Question {i}?"]}) + "\n"
+                                 for i in range(4)))
+    model = str(tiny_factory("bench-serve"))
+    common = ("--model", model, "--dtype", "float32", "--questions-file", str(questions), "--max-new-tokens", "6",
+              "--threads", "1", "--out", str(tmp_path))
+    proc = run_module("bench.serve", *common, "--questions", "3", "--warmup", "1", "--clients", "1", "2")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
+    assert set(rows) == {f"{m}@{c}" for m in ("ar", "hybrid") for c in (1, 2)}
+    assert all(r["identical"] == 3 and r["tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 for r in rows.values())
+    proc = run_module("bench.serve", *common, "--soak", "--requests", "60", "--soak-clients", "4")
+    assert proc.returncode == 0, proc.stderr
+    soak = json.loads((tmp_path / "serve_soak.json").read_text())
+    assert soak["failed"] == 0 and soak["exit_status"] == 0 and soak["matrix_loads"] is True, soak
+    assert "verdict:" in (tmp_path / "serve_soak.md").read_text()

@@ -1,0 +1,321 @@
+"""The server under load, as clients see it: `python -m tr_engine.serve` in a child process, and N concurrent clients
+(1, 4, 16) of OpenAI's own `openai` package, each streaming dev-split questions.
+
+    python -m bench.serve [--clients 1 4 16] [--methods ar hybrid] [--questions 32] [--max-new-tokens 128]
+    python -m bench.serve --soak [--requests 500] [--soak-clients 16]
+
+Load: for each method a fresh server (its matrix warmed first on other questions), and for each client count the
+same questions, taken from one shared list by whichever client is free. Reported: total throughput (every answer's
+tokens over the wall clock), time to first token (TTFT: request sent to its first text) and time per output token
+after the first (TPOT: the rest of the answer's time over its remaining tokens), p50 and p99 over the requests; and
+whether every answer equals plain decoding's (the ar rows, one client).
+
+Soak (--soak): one server with its matrix in a file, `--requests` requests from `--soak-clients` clients with random
+lengths, a random tenth of them streamed and dropped after a few events (a client gone). Reported: the server's
+resident memory (VmRSS) after the first 50 requests and after the last (must stay within 10%), the requests that
+failed other than the dropped ones (must be none), SIGTERM's exit status, and whether the saved matrix loads.
+Writes serve.{md,json} or serve_soak.{md,json}.
+"""
+
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+CLIENTS = (1, 4, 16)
+METHODS = ("ar", "hybrid")
+SOAK_BASELINE = 50
+TOLERANCE = 0.10
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+class Server:
+    """A `python -m tr_engine.serve` child on a free port."""
+
+    def __init__(self, args, *flags: str):
+        import openai
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tr_engine.serve", "--model", args.model, "--dtype", args.dtype, "--threads",
+             str(args.threads), "--port", str(self.port), *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parents[1])
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
+                                    timeout=600)
+        deadline = time.time() + 600
+        while True:
+            try:
+                self.model = self.client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                if self.process.poll() is not None or time.time() > deadline:
+                    raise SystemExit(f"error: the server did not start: {self.process.stdout.read()}")
+                time.sleep(0.5)
+
+    def new_client(self):
+        """An `openai` client of this server, its first request (and the library's lazy imports) done."""
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
+                               timeout=600)
+        client.models.list()
+        return client
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def stop(self) -> tuple[int, str]:
+        self.process.send_signal(signal.SIGTERM)
+        out, _ = self.process.communicate(timeout=120)
+        return self.process.returncode, out
+
+
+def ask(client, model: str, question: str, max_tokens: int, drop_after: int | None = None) -> dict:
+    """One streamed request: its text, token count, TTFT and TPOT (None when dropped on purpose)."""
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                            max_tokens=max_tokens, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    text, first, last, usage, events = [], None, None, None, 0
+    for chunk in stream:
+        events += 1
+        if drop_after is not None and events > drop_after:
+            stream.close()  # the client goes away mid-answer
+            return {"dropped": True}
+        if chunk.usage is not None:
+            usage = chunk.usage
+        piece = chunk.choices[0].delta.content if chunk.choices else None
+        if piece:
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+            text.append(piece)
+    tokens = usage.completion_tokens
+    ttft = (first if first is not None else time.perf_counter()) - t0
+    tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return {"text": "".join(text), "tokens": tokens, "ttft": ttft, "tpot": tpot,
+            "mat": usage.model_extra["tr_engine"]["mean_accepted_tokens"]}
+
+
+def load(server: Server, questions: list[str], clients: int, max_tokens: int) -> dict:
+    todo = list(enumerate(questions))
+    results = [None] * len(questions)
+    lock = threading.Lock()
+
+    def client(own):
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, q = todo.pop(0)
+            results[i] = ask(own, server.model, q, max_tokens)
+
+    own = [server.new_client() for _ in range(clients)]  # connected and warm before the clock starts
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in own]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    ttft, tpot = [r["ttft"] for r in results], [r["tpot"] for r in results if r["tpot"] is not None]
+    return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
+            "tokens_per_s": tokens / wall, "ttft_ms_p50": 1e3 * percentile(ttft, 0.5),
+            "ttft_ms_p99": 1e3 * percentile(ttft, 0.99), "tpot_ms_p50": 1e3 * percentile(tpot, 0.5),
+            "tpot_ms_p99": 1e3 * percentile(tpot, 0.99),
+            "mat": sum(r["mat"] for r in results) / len(results), "texts": [r["text"] for r in results]}
+
+
+def run_load(args, questions: list[str], warm: list[str]) -> dict:
+    rows = {}
+    for method in args.methods:
+        server = Server(args, "--method", method, "--batch", str(max(args.clients)), "--no-persist",
+                        "--max-queued", "1024")
+        try:
+            for q in warm:  # the matrix, hot (as a server's is after its first requests)
+                ask(server.client, server.model, q, args.max_new_tokens)
+            for clients in args.clients:
+                row = load(server, questions, clients, args.max_new_tokens)
+                rows[f"{method}@{clients}"] = row
+                print(f"{method}, {clients} clients: {row['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                      f"{row['ttft_ms_p50']:.0f} ms, TPOT p50 {row['tpot_ms_p50']:.1f} ms", file=sys.stderr,
+                      flush=True)
+        finally:
+            code, out = server.stop()
+        if code != 0:
+            raise SystemExit(f"error: the {method} server exited with {code}: {out}")
+    base = rows[f"{args.methods[0]}@{args.clients[0]}"]
+    want = base["texts"]
+    for row in rows.values():
+        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["identical"] = sum(a == b for a, b in zip(row.pop("texts"), want))
+    return rows
+
+
+def soak(args, questions: list[str]) -> dict:
+    from tr_engine.engine import Engine
+
+    matrix = Path(args.out) / ".soak_matrix.pt"
+    matrix.unlink(missing_ok=True)
+    server = Server(args, "--matrix", str(matrix), "--max-queued", "1024")
+    rng = random.Random(0)
+    plan = [(rng.choice(questions), rng.randint(8, 160), rng.randint(1, 6) if rng.random() < 0.1 else None)
+            for _ in range(args.requests)]
+    lock, done, failures, dropped, rss = threading.Lock(), [0], [], [0], {}
+
+    def client(own):
+        while True:
+            with lock:
+                if not plan:
+                    return
+                question, max_tokens, drop = plan.pop()
+            try:
+                r = ask(own, server.model, question, max_tokens, drop)
+                if r.get("dropped"):
+                    with lock:
+                        dropped[0] += 1
+            except Exception as e:  # noqa: BLE001 (every failure is counted and reported)
+                with lock:
+                    failures.append(f"{type(e).__name__}: {e}")
+            with lock:
+                done[0] += 1
+                if done[0] == SOAK_BASELINE:
+                    rss["after_50"] = server.rss_mb()
+                if done[0] % 50 == 0:
+                    print(f"{done[0]} requests, server RSS {server.rss_mb():.0f} MB", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(server.new_client(),)) for _ in range(args.soak_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    time.sleep(1.0)  # the last dropped requests leave at their next step
+    rss["after_last"] = server.rss_mb()
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as response:
+        metrics = [line for line in response.read().decode().splitlines() if line.startswith("tr_engine_")]
+    code, out = server.stop()
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype)
+    try:
+        engine.load_matrix(matrix)
+        loads = bool(engine.matrix.table.any())
+    except Exception as e:  # noqa: BLE001
+        loads = f"{type(e).__name__}: {e}"
+    matrix.unlink(missing_ok=True)
+    growth = rss["after_last"] / rss["after_50"] - 1
+    return {"requests": args.requests, "clients": args.soak_clients, "seconds": wall, "dropped": dropped[0],
+            "failed": len(failures), "failures": failures[:10], "rss_mb_after_50": rss["after_50"],
+            "rss_mb_after_last": rss["after_last"], "rss_growth": growth, "rss_ok": abs(growth) <= TOLERANCE,
+            "exit_status": code, "matrix_loads": loads, "server_log_tail": out[-2000:], "metrics": metrics}
+
+
+def write_load(folder: Path, rows: dict, info: dict, args) -> str:
+    from bench.machine import machine_line
+
+    lines = ["# The server under load: OpenAI clients streaming dev-split questions", "",
+             f"{machine_line(info)}. {args.model} in {args.dtype}, `python -m tr_engine.serve --batch "
+             f"{max(args.clients)}`, {args.questions} dev-split questions (first turns) per row, greedy, "
+             f"{args.max_new_tokens} new tokens at most, {args.threads} threads; each method's server warmed on "
+             f"{args.warmup} other questions. Clients: threads of the `openai` package, each streaming one request "
+             "at a time. Speedup: total tokens/s over the first row. TTFT: request sent to its first text. TPOT: "
+             "the answer's time after its first text over its remaining tokens. Identical: answers equal to the "
+             "first row's (plain decoding, one client).", "",
+             "| method | clients | total tok/s | speedup | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
+             "MAT | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, r in rows.items():
+        method = key.split("@")[0]
+        lines.append(f"| {method} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                     f"{r['ttft_ms_p50']:.0f} | {r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.1f} | "
+                     f"{r['tpot_ms_p99']:.1f} | {r['mat']:.2f} | {r['identical']}/{r['requests']} |")
+    text = "\n".join(lines) + "\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "serve.md").write_text(text)
+    (folder / "serve.json").write_text(json.dumps({"machine": info, "args": _args(args), "rows": rows}, indent=2)
+                                       + "\n")
+    return text
+
+
+def write_soak(folder: Path, r: dict, info: dict, args) -> str:
+    from bench.machine import machine_line
+
+    verdict = r["rss_ok"] and r["failed"] == 0 and r["exit_status"] == 0 and r["matrix_loads"] is True
+    lines = ["# Server soak run", "",
+             f"{machine_line(info)}. {args.model} in {args.dtype}, `python -m tr_engine.serve` (default method and "
+             f"batch, matrix in a file), {r['requests']} requests from {r['clients']} concurrent `openai` clients, "
+             "dev-split questions, 8 to 160 new tokens each at random, a random tenth streamed and dropped after "
+             "1 to 6 events.", "",
+             f"- wall time: {r['seconds']:.0f} s",
+             f"- dropped on purpose: {r['dropped']}; failed otherwise: {r['failed']}"
+             + (f" ({'; '.join(r['failures'])})" if r["failures"] else ""),
+             f"- server resident memory: {r['rss_mb_after_50']:.0f} MB after {SOAK_BASELINE} requests, "
+             f"{r['rss_mb_after_last']:.0f} MB after the last ({100 * r['rss_growth']:+.1f}%; limit "
+             f"±{100 * TOLERANCE:.0f}%)",
+             "- the server's counters at the end: " + ", ".join(f"`{m}`" for m in r["metrics"]),
+             f"- SIGTERM: exit status {r['exit_status']}; the saved matrix loads: {r['matrix_loads']}",
+             f"- verdict: {'pass' if verdict else 'FAIL'}", ""]
+    text = "\n".join(lines)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "serve_soak.md").write_text(text)
+    (folder / "serve_soak.json").write_text(json.dumps({"machine": info, "args": _args(args), **r}, indent=2) + "\n")
+    return text
+
+
+def _args(args) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+def main(argv=None) -> int:
+    from bench.machine import machine_info
+    from bench.specbench import DEFAULT_QUESTIONS, load_questions
+    from tr_engine.cli import ArgumentParser
+    from tr_engine.cli_args import integer
+
+    ap = ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=["ar", "tr", "pld", "hybrid"])
+    ap.add_argument("--clients", nargs="+", type=integer(1), default=list(CLIENTS))
+    ap.add_argument("--questions", type=integer(1), default=32, help="questions per row, spread over the file")
+    ap.add_argument("--warmup", type=integer(0), default=4, help="other questions that warm the matrix first")
+    ap.add_argument("--questions-file", type=Path, default=DEFAULT_QUESTIONS)
+    ap.add_argument("--max-new-tokens", type=integer(1), default=128)
+    ap.add_argument("--threads", type=integer(1), default=2)
+    ap.add_argument("--soak", action="store_true", help="the soak run instead of the load table")
+    ap.add_argument("--requests", type=integer(SOAK_BASELINE + 1), default=500, help="--soak: requests in all")
+    ap.add_argument("--soak-clients", type=integer(1), default=16, help="--soak: concurrent clients")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args(argv)
+    rows = load_questions(args.questions_file, None, None)
+    texts = [" ".join(r["turns"][0].split()) for r in rows]
+    info = machine_info()
+    if args.soak:
+        print(write_soak(args.out, soak(args, texts), info, args))
+        return 0
+    step = max(len(texts) // (args.questions + args.warmup), 1)
+    spread = texts[::step]
+    questions, warm = spread[: args.questions], spread[args.questions: args.questions + args.warmup]
+    print(write_load(args.out, run_load(args, questions, warm), info, args))
+    return 0
+
+
+if __name__ == "__main__":
+    from tr_engine.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))
