@@ -323,3 +323,11 @@ def test_smollm2_over_http_answers_as_the_engine_does(smollm2_dir, smollm2):
         code, out = s.stop()
     assert got == want
     assert code == 0, out
+
+
+def test_a_taken_port_is_one_line_before_the_model_loads(server, tiny):
+    proc = subprocess.run([sys.executable, "-m", "tr_engine.serve", "--model", tiny, "--port", str(server.port)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{server.port} (Address already in use); pick another --port, or stop "
+        "what uses it"], proc.stderr

@@ -91,7 +91,13 @@ class Handle:
 
 
 class Scheduler:
-    def __init__(self, engine, method: str | None = None, max_queued: int = 64):
+    """The batch loop over a queue of requests. By default it runs on a thread of its own; with `thread=False` the
+    caller runs it, with run(), on a thread of its choosing (until close()). A server should run it on the thread
+    that loaded the model: each native thread that runs parallel ops gets an OpenMP team of its own, and on a CPU
+    with no core to spare, two teams (the loader's, idle, and the loop's) make libgomp put its workers to sleep
+    between ops instead of spinning, which here cost 40% of a decode step's speed."""
+
+    def __init__(self, engine, method: str | None = None, max_queued: int = 64, thread: bool = True):
         from tr_engine.engine import check_method
 
         self.engine, self.max_queued = engine, max_queued
@@ -105,8 +111,10 @@ class Scheduler:
         drafter = None if self.method == AR else engine.priced(engine.drafter(self.method))
         self._steps = batch_steps(engine.model, engine.batch_cache(), self, drafter, engine.tokenizer.eos_ids,
                                   engine.ops)
-        self._thread = threading.Thread(target=self._run, name="tr-engine-batch", daemon=True)
-        self._thread.start()
+        self._finished = threading.Event()  # run() returned
+        self._started = False
+        if thread:
+            threading.Thread(target=self.run, name="tr-engine-batch", daemon=True).start()
 
     @property
     def context(self) -> int:
@@ -187,15 +195,37 @@ class Scheduler:
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(grace)
-        if self._thread.is_alive():
+            started = self._started
+        if not started:  # nothing ever ran the loop: the waiting requests end here
+            self._drain("the server is shutting down; send the request again once it is back")
+            return
+        if not self._finished.wait(grace):
             with self._cond:
                 handles = list(self._handles.values())
             for h in handles:
                 h.cancel()
-            self._thread.join()
+            self._finished.wait()
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The batch loop, on the calling thread, until close() (and every request taken has ended)."""
+        with self._cond:
+            if self._started:
+                raise RuntimeError("this scheduler's loop is running already")
+            self._started = True
+        try:
+            self._loop()
+        finally:
+            self._finished.set()
+
+    def _drain(self, error: str) -> None:
+        with self._cond:
+            handles = list(self._handles.values())
+            self._handles.clear()
+            self._waiting.clear()
+        for h in handles:
+            self._end(h, None, error)
+
+    def _loop(self) -> None:
         try:
             for event in self._steps:
                 if self._chores:  # batch_steps yields only between its ops: nothing is half-updated here
@@ -213,11 +243,7 @@ class Scheduler:
         except BaseException as e:  # the batch itself failed: every request hears why, none waits forever
             with self._cond:
                 self._closed = True
-                handles = list(self._handles.values())
-                self._handles.clear()
-                self._waiting.clear()
-            for h in handles:
-                self._end(h, None, f"internal error ({type(e).__name__}: {e})")
+            self._drain(f"internal error ({type(e).__name__}: {e})")
             raise
 
     def _do_chores(self) -> None:

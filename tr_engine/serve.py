@@ -14,7 +14,6 @@ connections, lets running requests finish for up to --grace seconds (then ends t
 and exits 0. A second Ctrl-C skips the wait (the matrix is still saved).
 """
 
-import contextlib
 import signal
 import socket
 import sys
@@ -22,7 +21,7 @@ import threading
 
 import uvicorn
 
-from tr_engine.cli import ArgumentParser, run, warn
+from tr_engine.cli import EXIT_BUG, ArgumentParser, run, warn
 from tr_engine.cli_args import add_engine_args, add_matrix_args, engine_from_args, integer, load_matrix, real, \
     sampling_from_args
 from tr_engine.errors import MatrixFileError, UserError
@@ -74,29 +73,57 @@ def main(argv=None) -> int:
 
     engine = engine_from_args(args)
     save_to = load_matrix(args, engine)
-    scheduler = Scheduler(engine, args.method, args.max_queued)
+    # The batch loop runs here, on the thread that loaded the model, and HTTP on a thread of its own: one OpenMP team
+    # for every parallel op (tr_engine/scheduler.py says what a second one costs).
+    scheduler = Scheduler(engine, args.method, args.max_queued, thread=False)
     name = args.served_model_name or engine.folder.name
     app = create_app(scheduler, name, Defaults(sampling))
-    # On a signal, the scheduler gives running requests the grace period and then ends them itself, so that every
-    # response is complete (an error event, for a stream cut short) before uvicorn's own, later deadline.
     config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
                             lifespan="off", timeout_graceful_shutdown=args.grace + SHUTDOWN_MARGIN_S)
-    server = Server(config, on_stop=lambda: threading.Thread(target=scheduler.close, args=(args.grace,),
-                                                             daemon=True).start())
+    server = uvicorn.Server(config)  # (off the main thread, uvicorn leaves the signals to us)
+
+    failed = []
+
+    def http() -> None:
+        try:
+            server.run(sockets=[listener])
+        except BaseException as e:  # uvicorn ends a failed start with SystemExit: a thread would swallow it
+            failed.append(f"{type(e).__name__}: {e}")
+        finally:  # however HTTP ends, the batch loop ends too (after the grace, when a signal began it)
+            scheduler.close(args.grace)
+
+    def stop(signum, frame) -> None:
+        """SIGINT or SIGTERM: HTTP takes no new connections and waits for the running responses; the scheduler
+        lets running requests finish for the grace period, then ends them (an error event, a 503), so that every
+        response is whole before uvicorn's own, later deadline. A second signal ends them at once."""
+        grace = 0.0 if server.should_exit else args.grace
+        server.should_exit = True
+        threading.Thread(target=scheduler.close, args=(grace,), daemon=True).start()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     host, port = listener.getsockname()[:2]
     print(f"tr-engine serving {name} ({args.method}, batch {args.batch}) at http://{host}:{port}/v1; "
           "Ctrl-C to stop", file=sys.stderr, flush=True)
+    web = threading.Thread(target=http, name="tr-engine-http", daemon=True)
+    web.start()
     stop_saving = threading.Event()
     if save_to is not None and args.save_every > 0:
         threading.Thread(target=save_now_and_then, args=(scheduler, save_to, args.save_every, stop_saving),
                          daemon=True).start()
     try:
-        server.run(sockets=[listener])
-    finally:  # a signal, or an error: whatever still runs is cancelled (the grace was given), then the matrix
+        scheduler.run()  # until a signal (or HTTP's end) closes it and the last request has ended
+    finally:  # the matrix, whatever ended the loop
         stop_saving.set()
-        scheduler.close(grace=0.0)
+        server.should_exit = True
+        web.join(args.grace + 2 * SHUTDOWN_MARGIN_S)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if save_to is not None and save(engine, save_to):
             print(f"saved the recycling matrix to {save_to}", file=sys.stderr, flush=True)
+    if failed or not server.started:
+        print(f"error: the HTTP server stopped ({failed[0] if failed else 'it never started'}); its log above says "
+              "why", file=sys.stderr, flush=True)
+        return EXIT_BUG
     return 0
 
 
@@ -132,35 +159,6 @@ def listen(host: str, port: int) -> socket.socket:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port, or stop what uses it")
     sock.set_inheritable(True)
     return sock
-
-
-class Server(uvicorn.Server):
-    """uvicorn's server, calling `on_stop()` at the first SIGINT or SIGTERM, and exiting 0 after them."""
-
-    def __init__(self, config: uvicorn.Config, on_stop):
-        super().__init__(config)
-        self.on_stop = on_stop
-
-    def handle_exit(self, sig, frame) -> None:
-        first = not self.should_exit
-        super().handle_exit(sig, frame)
-        if first:
-            self.on_stop()
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        """SIGINT and SIGTERM stop the server gracefully, and the process then exits 0: the stop was asked for.
-        (uvicorn's own handlers raise the signal again once the server is down, which would end the process by the
-        signal before the matrix is saved.)"""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
