@@ -11,7 +11,7 @@ after the first (TPOT: the rest of the answer's time over its remaining tokens),
 whether every answer equals plain decoding's (the ar rows, one client).
 
 Soak (--soak): one server with its matrix in a file, `--requests` requests from `--soak-clients` clients with random
-lengths, a random tenth of them streamed and dropped after a few events (a client gone). Reported: the server's
+lengths, every one streamed and a random tenth dropped after a few events (a client gone). Reported: the server's
 resident memory (VmRSS) after the first 50 requests and after the last (must stay within 10%), the requests that
 failed other than the dropped ones (must be none), SIGTERM's exit status, and whether the saved matrix loads.
 Writes serve.{md,json} or serve_soak.{md,json}.
@@ -259,8 +259,8 @@ def write_soak(folder: Path, r: dict, info: dict, args) -> str:
     lines = ["# Server soak run", "",
              f"{machine_line(info)}. {args.model} in {args.dtype}, `python -m tr_engine.serve` (default method and "
              f"batch, matrix in a file), {r['requests']} requests from {r['clients']} concurrent `openai` clients, "
-             "dev-split questions, 8 to 160 new tokens each at random, a random tenth streamed and dropped after "
-             "1 to 6 events.", "",
+             "dev-split questions, 8 to 160 new tokens each at random, all streamed, a random tenth dropped after 1 "
+             "to 6 events.", "",
              f"- wall time: {r['seconds']:.0f} s",
              f"- dropped on purpose: {r['dropped']}; failed otherwise: {r['failed']}"
              + (f" ({'; '.join(r['failures'])})" if r["failures"] else ""),
