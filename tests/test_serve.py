@@ -75,7 +75,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_factory):
-    return str(tiny_factory("serve64", dtype=torch.float64, vocab_size=300, std=0.5, max_positions=4096))
+    return str(tiny_factory("serve64", dtype=torch.float64, vocab_size=300, std=0.5, max_positions=16384))
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,15 @@ def test_stop_sequences_end_the_text_before_them(server, alone):
     chunks = list(server.client.chat.completions.create(stream=True, **kwargs))
     assert whole.choices[0].message.content == want == "".join(c.choices[0].delta.content or "" for c in chunks)
     assert whole.choices[0].finish_reason == "stop" == chunks[-1].choices[0].finish_reason
+
+
+def test_ignore_eos_decodes_to_max_tokens(server, alone):
+    want = alone(messages("one two three"), 200)
+    assert want.generation.finish_reason == "eos"  # (the case this test is about)
+    got = server.client.chat.completions.create(model=server.model, messages=messages("one two three"), max_tokens=200,
+                                                temperature=0, extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == 200 and got.choices[0].finish_reason == "length"
+    assert got.choices[0].message.content.startswith(want.text)
 
 
 def test_a_seeded_sampled_request_repeats(server):
@@ -255,10 +264,10 @@ def test_stop_text_holds_back_what_may_start_a_stop_sequence():
 def test_a_full_queue_answers_503_and_sigterm_mid_stream_saves_the_matrix(tiny, tmp_path):
     matrix = tmp_path / "matrix.pt"
     s = Server(tiny, "--dtype", "float64", "--batch", "1", "--max-queued", "1", "--matrix", str(matrix),
-               "--grace", "0.5", "--method", "tr", "--max-context", "4096", "--save-every", "0.5")
+               "--grace", "0.5", "--method", "tr", "--max-context", "16384", "--save-every", "0.5")
     try:
-        body = {"model": s.model, "messages": messages("tell me about the sea"), "temperature": 0,
-                "stream": True}  # no max_tokens: to the end of the context, 4096 tokens
+        body = {"model": s.model, "messages": messages("tell me about the sea"), "temperature": 0, "stream": True,
+                "ignore_eos": True}  # no max_tokens, past EOS: to the end of the context, 16384 tokens
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         running = conn.getresponse()

@@ -14,7 +14,7 @@ from tr_engine.sampling import Sampling
 
 MAX_STOPS = 4  # as OpenAI's API: up to four stop sequences
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "n", "user", "metadata", "store", "service_tier", "presence_penalty", "frequency_penalty",
+                 "ignore_eos", "n", "user", "metadata", "store", "service_tier", "presence_penalty", "frequency_penalty",
                  "logit_bias", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "functions", "function_call", "parallel_tool_calls", "response_format", "modalities"}
@@ -63,6 +63,7 @@ class Job:
     stops: list[str]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False  # an extension, as vLLM's: decode to max_tokens whatever the model says
 
 
 def read_body(raw: bytes, fields: set[str]) -> dict:
@@ -120,7 +121,7 @@ def read_job(body: dict, chat: bool, model_name: str, defaults: Sampling) -> Job
         raise APIError(400, f"seed must be an integer in 0..{checks.MAX_SEED}, got {_show(seed)}", "seed")
     prompt = _messages(body) if chat else _prompt(body)
     return Job(prompt, chat, max_tokens, Sampling(temperature, top_k, top_p), seed, _stops(body), stream,
-               include_usage)
+               include_usage, _flag(body, "ignore_eos"))
 
 
 def _messages(body: dict) -> list[dict]:

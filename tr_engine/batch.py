@@ -48,6 +48,7 @@ class Request:
     prefill_s: float = 0.0
     started: float = 0.0  # when its decoding began (after its prefill)
     cancelled: bool = False  # set from any thread: the request leaves at the next step boundary, its slot freed
+    ignore_eos: bool = False  # decode past the end-of-sequence token, to max_new_tokens (a benchmark's fixed length)
 
     @property
     def history(self) -> list[int]:
@@ -98,6 +99,9 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     single = {}  # device -> the one-node tree of a plain step
     adaptive = getattr(drafter, "adaptive", None)  # an adaptive tree learns what a batched step costs
 
+    def ends(r: Request) -> tuple[int, ...]:
+        return () if r.ignore_eos else eos_ids
+
     def admit(r: Request):
         r.slot = cache.take()
         view = cache.view(r.slot)
@@ -126,7 +130,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
         view.length = min(view.length, len(r.prompt_ids) + len(r.out) - 1)
         cache.give_back(r.slot)
         del active[r.id]
-        return r.generation(eos_ids)
+        return r.generation(ends(r))
 
     ended = False
     try:
@@ -142,7 +146,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                     ended = True
                     break
                 event = admit(r)
-                if event.error is None and (event.tokens[0] in eos_ids or r.max_new_tokens == 1):
+                if event.error is None and (event.tokens[0] in ends(r) or r.max_new_tokens == 1):
                     event.done = finish(r)
                 yield event
             if not active:
@@ -187,7 +191,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                         drafter.recycle(draft, lg)
             now = time.perf_counter()
             for r, draft, tokens in zip(order, drafts, committed):
-                tokens, finished = stop(tokens, len(r.out), r.max_new_tokens, eos_ids)
+                tokens, finished = stop(tokens, len(r.out), r.max_new_tokens, ends(r))
                 r.step_end_s.append(now - r.started)
                 r.out += tokens
                 r.accept_lengths.append(len(tokens))

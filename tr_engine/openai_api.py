@@ -13,8 +13,9 @@ them. A request the server cannot take gets the OpenAI API's error shape, {"erro
 for what a client sent.
 
 Sampling fields a request leaves out take the server's flags (--temperature, --top-p, --top-k: greedy unless the
-server was started otherwise). Beyond OpenAI's fields, a request may set `top_k`, and `usage.tr_engine` reports the
-request's method, mean accepted tokens per step (MAT) and decode steps.
+server was started otherwise). Beyond OpenAI's fields, a request may set `top_k` and `ignore_eos` (vLLM's: decode to
+max_tokens past the end-of-sequence token), and `usage.tr_engine` reports the request's method, mean accepted tokens
+per step (MAT) and decode steps.
 """
 
 import asyncio
@@ -251,7 +252,8 @@ def submit(state, job: Job):
     s = job.sampling
     try:
         return state.scheduler.submit(job.prompt, job.max_tokens, chat_template=job.chat, temperature=s.temperature,
-                                      top_k=s.top_k, top_p=s.top_p, seed=job.seed, loop=asyncio.get_running_loop())
+                                      top_k=s.top_k, top_p=s.top_p, seed=job.seed, ignore_eos=job.ignore_eos,
+                                      loop=asyncio.get_running_loop())
     except QueueFull as e:
         state.metrics.count("rejected_busy")
         raise APIError(503, f"the server is busy: {e}", kind="server_error", code="server_busy",

@@ -123,11 +123,12 @@ class Scheduler:
 
     def submit(self, prompt, max_new_tokens: int | None = 256, *, chat_template: bool = True,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+               ignore_eos: bool = False, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
         """Queue a prompt (a string, messages, or with chat_template=False a list of token ids) for the running
         batch, for up to `max_new_tokens` (None: as many as the context holds after the prompt); its one-line error
         at once if it is not a prompt or does not fit (ContextOverflow), QueueFull when too many wait already,
-        RequestError after close(). With `loop`, the handle is read with atokens() on that event loop."""
+        RequestError after close(). With `ignore_eos`, it decodes past the end-of-sequence token to max_new_tokens.
+        With `loop`, the handle is read with atokens() on that event loop."""
         from tr_engine import checks
 
         sampling = Sampling(temperature, top_k, top_p)
@@ -150,7 +151,8 @@ class Scheduler:
                 raise RequestError("the server is shutting down; send the request again once it is back")
             if len(self._waiting) >= self.max_queued:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting for a slot already; retry shortly")
-            request = Request(next(self._ids), ids, max_new_tokens, self.engine.sampler(sampling, seed))
+            request = Request(next(self._ids), ids, max_new_tokens, self.engine.sampler(sampling, seed),
+                              ignore_eos=checks.flag(ignore_eos, "ignore_eos"))
             handle = self._handles[request.id] = Handle(request, loop)
             self._waiting.append(request)
             self._cond.notify()
