@@ -4,6 +4,10 @@ Module names equal the Hugging Face checkpoint keys, so loading is a strict `loa
 prefill, plain decoding and draft-tree verification: the caller passes the new tokens' positions, the cache slot where
 they go, and whether they attend causally or through a tree mask.
 
+Under tensor parallelism (tr_engine/parallel.py) each rank builds the layers of its own slice (`local_config`: its
+heads, its part of the FFN, its rows of the vocabulary), adds the partial outputs of o_proj and down_proj across ranks,
+and gathers the logits, so the forward returns every rank the whole model's logits.
+
 Glossary: T new tokens, P cached prefix tokens, S cache capacity, Hq/Hkv query/key-value heads, G = Hq // Hkv,
 D head dim, E hidden size, F FFN size, V vocab, L layers.
 """
@@ -16,6 +20,7 @@ from torch import nn
 
 from tr_engine.config import LlamaConfig, rope_inv_freq
 from tr_engine.ops import resolve_ops
+from tr_engine.parallel import ALONE, Shard, local_config
 
 
 def fuse_linears_(*linears: nn.Linear) -> torch.Tensor:
@@ -92,8 +97,10 @@ class RaggedBatch:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, shard: Shard = ALONE):
+        """`config`: this rank's slice of the model (all of it alone); o_proj's partial sums add across `shard`."""
         super().__init__()
+        self.shard = shard
         self.n_heads, self.n_kv_heads, self.head_dim = (
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -125,7 +132,7 @@ class Attention(nn.Module):
             kv[b.seq, 1, :, b.pos] = qkv[:, Hq + Hkv :]
             o = ops.tree_attention_batch(qk[:, :Hq], kv[:, 0], kv[:, 1], b.slots, b.prefix_lens, b.offsets,
                                          b.tree_masks, D**-0.5)  # [T, Hq, D]
-            return ops.linear(o.reshape(T, Hq * D), self.o_weight)
+            return self.out(o.reshape(T, Hq * D), ops)
         if mask.slots is not None:  # the prefix length lives on the device: a step a CUDA graph replays anywhere
             kv[0].index_copy_(1, mask.slots, k_new)
             kv[1].index_copy_(1, mask.slots, v_new)
@@ -135,7 +142,7 @@ class Attention(nn.Module):
         if mask.tree is not None:  # a verify (or CPU decode) step: every cached token plus the tree ancestors
             attend = ops.tree_attention if mask.slots is None else ops.tree_attention_dynamic
             o = attend(qk[:, :Hq], kv[0], kv[1], start, mask.tree, D**-0.5)  # [T, Hq, D]
-            return ops.linear(o.reshape(T, Hq * D), self.o_weight)
+            return self.out(o.reshape(T, Hq * D), ops)
         end = start + T
         # Grouped-query attention without copying K/V: the G query heads that share a KV head are folded into the
         # row dimension, [T, Hq, D] -> [Hkv, G*T, D], so each KV head is read once, as plain multi-head attention.
@@ -143,12 +150,17 @@ class Attention(nn.Module):
         q = qk[:, :Hq].reshape(T, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3).reshape(1, Hkv, -1, D)  # [1, Hkv, G*T, D]
         o = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask.folded)
         o = o.view(Hkv, Hq // Hkv, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)  # [T, Hq*D]
-        return ops.linear(o, self.o_weight)
+        return self.out(o, ops)
+
+    def out(self, o: torch.Tensor, ops) -> torch.Tensor:
+        """o_proj: [T, Hq*D] -> [T, E], summed over the ranks' heads."""
+        return self.shard.all_reduce_(ops.linear(o, self.o_weight))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, shard: Shard = ALONE):
         super().__init__()
+        self.shard = shard
         E, Fd = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(E, Fd, bias=False)
         self.up_proj = nn.Linear(E, Fd, bias=False)
@@ -160,15 +172,15 @@ class MLP(nn.Module):
         self.down_weight = self.down_proj.weight.detach()
 
     def forward(self, x, linear):
-        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, F] each
-        return linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, F] each (this rank's part of F)
+        return self.shard.all_reduce_(linear(F.silu(gate) * up, self.down_weight))  # [T, E], summed over the ranks
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, shard: Shard = ALONE):
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, shard)
+        self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -178,10 +190,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, shard: Shard = ALONE, vocab_rows: int | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(vocab_rows or config.vocab_size, config.hidden_size)  # this rank's rows
+        self.layers = nn.ModuleList(DecoderLayer(config, shard) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -194,12 +206,15 @@ class Llama(nn.Module):
     namespace.
     """
 
-    def __init__(self, config: LlamaConfig, ops=None):
+    def __init__(self, config: LlamaConfig, ops=None, shard: Shard = ALONE):
         super().__init__()
-        self.config = config
+        self.config = config  # the whole model's
+        self.shard, self.local_config = shard, local_config(config, shard)  # this rank's slice (a KV cache's heads)
+        self.vocab = shard.split(config.vocab_size)  # the token ids whose embedding and logits this rank holds
         self.ops = resolve_ops(ops or "reference")
-        self.model = LlamaBody(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        rows = self.vocab[1] - self.vocab[0]
+        self.model = LlamaBody(self.local_config, shard, rows)
+        self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.head_weight = None  # [V, E], the LM head as the forward uses it (fuse_, pack_)
         self.rope_cos: torch.Tensor | None = None  # [S, D], from set_max_positions()
         self.rope_sin: torch.Tensor | None = None
@@ -262,7 +277,7 @@ class Llama(nn.Module):
         Returns logits [T, V] in float32 (float64 for a float64 model), or [1, V] for the last token when `last_logits_only`.
         """
         T = input_ids.shape[0]
-        G = self.config.num_attention_heads // self.config.num_key_value_heads
+        G = self.config.num_attention_heads // self.config.num_key_value_heads  # (a rank's slice has the same G)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D] each
         device = input_ids.device
         if batch is not None:
@@ -283,10 +298,22 @@ class Llama(nn.Module):
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
             seen = torch.ones(T, start, dtype=torch.bool, device=device)
             mask = AttentionMask(folded=torch.cat([seen, causal], dim=1).repeat(G, 1))  # [G*T, P+T]
-        x = self.model.embed_tokens(input_ids)  # [T, E]
+        x = self.embed(input_ids)  # [T, E]
         for layer, kv in zip(self.model.layers, kv_cache):
             x = layer(x, cos, sin, kv, start, mask, self.ops)
         if last_logits_only:
             x = x[-1:]
-        logits = self.ops.linear(self.model.norm(x), self.head_weight)  # [T, V]
+        logits = self.ops.linear(self.model.norm(x), self.head_weight)  # [T, V] (this rank's V alone)
+        logits = self.shard.gather_last(logits, self.config.vocab_size)  # [T, V]
         return logits if logits.element_size() >= 4 else logits.float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings [T, E] of input_ids [T]; under tensor parallelism each rank looks up the ids in its rows,
+        zeros for the others, and the ranks' lookups are added (exactly: all but one are zero)."""
+        if self.shard.world == 1:
+            return self.model.embed_tokens(input_ids)
+        start, stop = self.vocab
+        local = input_ids - start
+        mine = (local >= 0) & (local < stop - start)  # [T]
+        x = self.model.embed_tokens(local.clamp(0, stop - start - 1))  # [T, E]
+        return self.shard.all_reduce_(torch.where(mine[:, None], x, torch.zeros((), dtype=x.dtype)))

@@ -15,6 +15,7 @@ from tr_engine.config import LlamaConfig
 from tr_engine.errors import UserError, WeightsError
 from tr_engine.model import Llama
 from tr_engine.ops import packs
+from tr_engine.parallel import ALONE, Shard, slices
 
 # Keys some checkpoints carry that hold no learned weights (old Llama/Vicuna exports save RoPE's inv_freq buffer).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -59,18 +60,23 @@ def safetensors_files(folder: Path) -> list[Path]:
                        "point --model at a Hugging Face model folder")
 
 
-def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", ops="kernels") -> Llama:
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", ops="kernels",
+               shard: Shard = ALONE) -> Llama:
     """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference, its
-    projections and decode/verify attention computed by `ops` (tr_engine.ops: a spec like "kernels", or a namespace)."""
+    projections and decode/verify attention computed by `ops` (tr_engine.ops: a spec like "kernels", or a namespace).
+    Under tensor parallelism (`shard`), this rank's slice only, each weight's rows or columns read from the file
+    alone (tr_engine/parallel.py)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist; pass a Hugging Face model folder or a known model name")
     config = LlamaConfig.from_json(folder / "config.json")
     with torch.device("meta"):
-        model = Llama(config, ops)
-    expected = {name: p.shape for name, p in model.state_dict().items()}
+        model = Llama(config, ops, shard)
+        whole = model if shard.world == 1 else Llama(config, ops)  # the shapes the files hold
+    expected = {name: p.shape for name, p in whole.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
+    cut = slices(config, shard) if shard.world > 1 else {}
 
     state, unexpected = {}, []
     for path in safetensors_files(folder):
@@ -91,7 +97,13 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
                     if shape != tuple(expected[key]):
                         raise WeightsError(f"{path.name}: weight {key} has shape {list(shape)}, the config implies "
                                            f"{list(expected[key])}; config.json and the weights do not match")
-                    state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    part = next((cut[suffix] for suffix in cut if key.endswith(suffix)), None)
+                    if part is None:
+                        tensor = f.get_tensor(key)
+                    else:  # this rank's rows or columns, read alone
+                        dim, a, b = part
+                        tensor = f.get_slice(key)[a:b] if dim == 0 else f.get_slice(key)[:, a:b]
+                    state[key] = tensor.to(device=device, dtype=dtype)
         except SafetensorError as e:
             raise WeightsError(f"{path} is corrupt or truncated ({e}); download or convert it again")
         except OSError as e:

@@ -1,0 +1,110 @@
+"""Tensor parallelism (tr_engine/parallel.py) on this CPU: 2 ranks on gloo, started with `spawn` as torchrun starts
+them (fresh interpreters, no forked state), each loading only its shard of the weights."""
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tr_engine.config import LlamaConfig
+from tr_engine.parallel import Shard, local_config
+
+CONFIGS = {  # name -> write_tiny_llama's arguments: MHA, GQA, KV heads that do not divide by 2, tied, odd vocab
+    "mha": dict(num_heads=4, num_kv_heads=4),
+    "gqa": dict(num_heads=4, num_kv_heads=2),
+    "gqa-uneven-tied": dict(num_heads=6, num_kv_heads=3, tie_word_embeddings=True),
+    "odd-vocab-ffn": dict(num_heads=4, num_kv_heads=2, vocab_size=301, intermediate_size=129),
+}
+PROMPT = [1, 17, 42, 99, 7, 150, 3]
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)  # root, 2 kids, grandkid
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(worker, world: int, *args) -> None:
+    """Run worker(rank, world, port, *args) in `world` fresh processes, as torchrun would."""
+    mp.start_processes(worker, args=(world, free_port(), *args), nprocs=world, start_method="spawn", join=True)
+
+
+def joined(rank: int, world: int, port: int) -> Shard:
+    from tr_engine import parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    return parallel.init(world, torch.device("cpu"), timeout_s=60)
+
+
+def forwards(model) -> dict[str, torch.Tensor]:
+    """A prompt (causal attention), a decode step and a tree verify (the tree_attention op) on one cache."""
+    from tr_engine.kv_cache import KVCache
+
+    model.set_max_positions(64)
+    cache = KVCache(model.local_config, 64, model.dtype, model.device)
+    out = {"prefill": model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), cache.data, 0)}
+    P = len(PROMPT)
+    out["decode"] = model(torch.tensor([5]), torch.tensor([P]), cache.data, P)
+    depth = torch.tensor([0, 1, 1, 2])
+    out["verify"] = model(torch.tensor([5, 8, 9, 11]), P + 1 + depth, cache.data, P + 1, tree_mask=TREE)
+    return out
+
+
+def logits_worker(rank: int, world: int, port: int, folders: dict, out: str) -> None:
+    from tr_engine.weights import load_model
+
+    shard = joined(rank, world, port)
+    results = {}
+    for name, folder in folders.items():
+        model = load_model(folder, torch.float64, "cpu", "kernels", shard)
+        results[name] = {**forwards(model), "heads": model.local_config.num_attention_heads,
+                         "vocab rows": model.vocab[1] - model.vocab[0]}
+    if rank == 0:
+        torch.save(results, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 301])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_split_gives_each_rank_a_contiguous_share_that_differs_by_at_most_one(n, world):
+    shares = [Shard(r, world).split(n) for r in range(world)]
+    assert shares[0][0] == 0 and shares[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+    sizes = [b - a for a, b in shares]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_a_rank_gets_whole_kv_heads_with_their_query_heads():
+    config = LlamaConfig(vocab_size=301, hidden_size=48, intermediate_size=129, num_hidden_layers=1,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=16, max_position_embeddings=64)
+    parts = [local_config(config, Shard(r, 2)) for r in range(2)]
+    assert [(c.num_key_value_heads, c.num_attention_heads, c.intermediate_size) for c in parts] == [(2, 6, 65),
+                                                                                                    (1, 3, 64)]
+    assert all(c.vocab_size == 301 and c.head_dim == 16 for c in parts)
+
+
+def test_two_ranks_give_one_rank_logits_within_float64_rounding(tiny_factory):
+    from tr_engine.weights import load_model
+
+    folders = {name: str(tiny_factory(f"tp-{name}", **kwargs)) for name, kwargs in CONFIGS.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logits.pt"
+        spawn(logits_worker, 2, folders, str(out))
+        got = torch.load(out)
+    for name, folder in folders.items():
+        model = load_model(folder, torch.float64, "cpu", "kernels")
+        want = forwards(model)
+        c = model.config  # rank 0 held its share of the heads and the vocabulary, and no more
+        assert got[name]["heads"] == Shard(0, 2).split(c.num_key_value_heads)[1] * (c.num_attention_heads
+                                                                                   // c.num_key_value_heads)
+        assert got[name]["vocab rows"] == (c.vocab_size + 1) // 2 < c.vocab_size
+        for what in want:
+            assert got[name][what].shape == want[what].shape, (name, what)
+            torch.testing.assert_close(got[name][what], want[what], rtol=1e-12, atol=1e-12, msg=f"{name} {what}")

@@ -1,0 +1,110 @@
+"""Tensor parallelism: one model across N processes (ranks), each holding a slice of every layer.
+
+    torchrun --nproc-per-node 2 -m tr_engine.generate --tp 2 --model vicuna-13b --prompt "..."
+
+The split is Megatron's, as gpt-fast and nano-vllm do it: q/k/v and gate/up are split by output (each rank computes
+its own heads and its own part of the FFN, with no communication), o and down by input (each rank's partial sums
+are added across ranks: one all-reduce after attention and one after the MLP), and the embedding and the LM head by
+vocabulary (a lookup all-reduced; each rank's logits for its own tokens). KV heads go to ranks whole, each with the
+query heads that share it, so a model whose KV heads do not divide by N (SmolLM2: 3) splits them unevenly.
+
+Every rank runs the same decode loop on the same numbers: the logits every rank sees are bit for bit the same (each
+rank's share gathered in rank order), so every rank drafts, accepts and recycles exactly alike, and nothing but the
+activations crosses between ranks; no rank waits for another's decision.
+
+Glossary: N ranks (world), r this rank, V vocab; split(n) gives rank r its contiguous share of n items, the first
+n % N ranks one more.
+"""
+
+import os
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+
+from tr_engine.config import LlamaConfig
+from tr_engine.errors import UnsupportedConfig, UserError
+
+DEFAULT_TIMEOUT_S = 120.0  # a rank that does not answer a collective within this ends the run (not a hang)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's place in the model: rank `rank` of `world` (collectives over the default process group)."""
+
+    rank: int = 0
+    world: int = 1
+
+    def split(self, n: int, rank: int | None = None) -> tuple[int, int]:
+        """Rank `rank`'s (default: this rank's) contiguous share [start, stop) of n items."""
+        r = self.rank if rank is None else rank
+        base, extra = divmod(n, self.world)
+        start = r * base + min(r, extra)
+        return start, start + base + (r < extra)
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (a no-op alone)."""
+        if self.world > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def gather_last(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """Every rank's share of the last dimension (split(n) of it), concatenated in rank order: [..., n]."""
+        if self.world == 1:
+            return x
+        widest = self.split(n, 0)[1]
+        padded = torch.nn.functional.pad(x, (0, widest - x.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        torch.distributed.all_gather(parts, padded)
+        return torch.cat([p[..., : b - a] for p, (a, b) in zip(parts, (self.split(n, r) for r in
+                                                                         range(self.world)))], dim=-1)
+
+
+ALONE = Shard()
+
+
+def local_config(config: LlamaConfig, shard: Shard) -> LlamaConfig:
+    """The config of this rank's slice: its KV heads (whole, with their query heads) and its part of the FFN; the
+    vocabulary stays the model's (the tokenizer, the matrix and the logits the loop sees are the whole model's)."""
+    if shard.world == 1:
+        return config
+    Hkv, G = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    if Hkv < shard.world:
+        raise UnsupportedConfig(f"--tp {shard.world} needs at least {shard.world} key-value heads, and the model has "
+                                f"{Hkv}; use --tp {Hkv} or fewer")
+    if config.intermediate_size < shard.world:
+        raise UnsupportedConfig(f"--tp {shard.world} is more ranks than the FFN has units; use a smaller --tp")
+    a, b = shard.split(Hkv)
+    f0, f1 = shard.split(config.intermediate_size)
+    return replace(config, num_key_value_heads=b - a, num_attention_heads=(b - a) * G, intermediate_size=f1 - f0)
+
+
+def slices(config: LlamaConfig, shard: Shard) -> dict[str, tuple[int, int, int]]:
+    """What this rank reads of each sharded weight: key suffix -> (dimension, start, stop) in the stored tensor."""
+    D, G = config.head_dim, config.num_attention_heads // config.num_key_value_heads
+    a, b = shard.split(config.num_key_value_heads)
+    f0, f1 = shard.split(config.intermediate_size)
+    v0, v1 = shard.split(config.vocab_size)
+    return {"self_attn.q_proj.weight": (0, a * G * D, b * G * D), "self_attn.k_proj.weight": (0, a * D, b * D),
+            "self_attn.v_proj.weight": (0, a * D, b * D), "self_attn.o_proj.weight": (1, a * G * D, b * G * D),
+            "mlp.gate_proj.weight": (0, f0, f1), "mlp.up_proj.weight": (0, f0, f1), "mlp.down_proj.weight": (1, f0, f1),
+            "embed_tokens.weight": (0, v0, v1), "lm_head.weight": (0, v0, v1)}
+
+
+def init(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Shard:
+    """Join the run's process group (torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): gloo on a
+    CPU, NCCL on CUDA (each rank on its LOCAL_RANK's GPU), every collective bounded by `timeout_s`."""
+    if tp == 1:
+        return ALONE
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or "RANK" not in os.environ:
+        raise UserError(f"--tp {tp} runs one process per rank: launch with torchrun --nproc-per-node {tp} -m "
+                        "tr_engine.<command> --tp {tp} ...".replace("{tp}", str(tp)))
+    if int(world) != tp:
+        raise UserError(f"--tp {tp} but torchrun started {world} processes; pass --nproc-per-node {tp}")
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return Shard(dist.get_rank(), dist.get_world_size())
