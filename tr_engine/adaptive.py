@@ -26,6 +26,7 @@ from bisect import bisect_right
 from itertools import accumulate
 
 from tr_engine.cost import BUCKETS, CostModel
+from tr_engine.parallel import ALONE, Shard
 from tr_engine.tree import DraftTree, build_tree
 
 # A candidate's confidence (its share of its row's top-k mass when the row was written: RecyclingMatrix.confidence)
@@ -149,8 +150,9 @@ class AdaptiveTrees:
     BATCH_MARGIN = 0.05
 
     def __init__(self, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu",
-                 pinned: bool = False):
+                 pinned: bool = False, shard: Shard = ALONE):
         self.stats, self.refresh, self.device = ConfidenceStats(), refresh, device
+        self.shard = shard  # under tensor parallelism every rank must plan the same trees: step times are agreed
         self.cost = cost
         self.pinned = pinned  # the cost curve stays the one given: the engine does not set it, steps do not correct it
         self.buckets = tuple(T for T in BUCKETS if T <= max_tokens)
@@ -175,7 +177,7 @@ class AdaptiveTrees:
     def observe_step(self, tokens: int, prefix: int, seconds: float) -> None:
         """A verify of `tokens` tokens after `prefix` took `seconds`, drafting to compaction."""
         if not self.pinned:
-            self.times.observe(tokens, prefix, seconds)
+            self.times.observe(tokens, prefix, self.shard.agree(seconds))
 
     def plan(self, table, confidence, root: int, prefix: int, chain: list[int] = (),
              chain_values: list[float] = ()) -> tuple[DraftTree, int]:

@@ -76,6 +76,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--matrix-k", type=integer(1, MAX_MATRIX_K, "the CUDA recycle kernel's limit"), default=8,
                     help="candidates kept per token in the recycling matrix")
     ap.add_argument("--seed-from-prompt", action="store_true", help="seed the matrix from each prompt's prefill")
+    ap.add_argument("--tp", type=integer(1), default=1, metavar="N",
+                    help="tensor parallelism: the model split across N processes, launched with torchrun "
+                         "--nproc-per-node N (README, 'Several GPUs'); default 1")
     ap.add_argument("--cuda-graphs", default=None, choices=["on", "off"],
                     help="replay each decode and verify step as a CUDA graph (default: on with --device cuda)")
     add_sampling_args(ap)
@@ -125,7 +128,7 @@ def engine_from_args(args):
     engine = Engine.from_pretrained(args.model, args.device, args.dtype, args.max_context, args.model_dir, args.ops,
                                     args.threads, args.tree, args.matrix_k, args.method, args.seed,
                                     None if args.cuda_graphs is None else args.cuda_graphs == "on",
-                                    max_batch=getattr(args, "batch", 8))
+                                    max_batch=getattr(args, "batch", 8), tp=args.tp)
     if args.tree == ADAPTIVE:  # measured at the first adaptive step (or now, on --recalibrate), with a notice
         engine.on_calibrate = lambda: print("measuring this machine's verify cost for the adaptive tree (once; "
                                             "cached)...", file=sys.stderr, flush=True)

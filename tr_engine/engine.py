@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tr_engine import checks
+from tr_engine import checks, parallel
 from tr_engine.decode import Generation, plain_steps, run_to_end
 from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.batch import Request, batch_steps
@@ -91,10 +91,12 @@ class Engine:
         self.rng = torch.Generator()
         if seed is None:
             self.rng.seed()
+            if model.shard.world > 1:  # every rank draws alike (tr_engine/parallel.py): rank 0's seed
+                self.rng.manual_seed(model.shard.from_rank0(self.rng.initial_seed()))
         else:
             self.rng.manual_seed(seed)
         self.method = check_method(method)  # the default decode method of generate/stream
-        self.cache = KVCache(model.config, max_context, model.dtype, model.device)
+        self.cache = KVCache(model.local_config, max_context, model.dtype, model.device)  # (this rank's KV heads)
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, for reuse across a conversation
         model.set_max_positions(max_context)
         # Token Recycling's state: one matrix for the engine's lifetime (hot start across calls).
@@ -142,7 +144,9 @@ class Engine:
             return matrix if matrix is not None else RecyclingMatrix(self.model.config.vocab_size, k, device, self.ops)
 
         def new_adaptive() -> AdaptiveTrees | None:
-            return AdaptiveTrees(cost, max_tokens, device=device, pinned=cost is not None) if tree == ADAPTIVE else None
+            if tree != ADAPTIVE:
+                return None
+            return AdaptiveTrees(cost, max_tokens, device=device, pinned=cost is not None, shard=self.model.shard)
 
         return drafter_class(method).build(DrafterSetup(device, static, new_matrix, new_adaptive))
 
@@ -158,16 +162,18 @@ class Engine:
             return self._cost
         key, path = self._cost_location()
         cost = None if recalibrate else CostModel.load(path, key)
-        if cost is None:
+        shard = self.model.shard  # under tensor parallelism: measured by every rank together, rank 0's curve kept
+        if shard.from_rank0(cost is None):
             if self.on_calibrate is not None:
                 self.on_calibrate()
             cost = CostModel.measure(self.runner, self.cache, key)
             self.reset_cache()
             try:
-                cost.save(path)
+                if shard.rank == 0:
+                    cost.save(path)
             except OSError:
                 pass  # a read-only home: measure again next time
-        self._cost = cost
+        self._cost = cost = shard.from_rank0(cost)
         return cost
 
     @classmethod
@@ -186,6 +192,7 @@ class Engine:
         seed: int | None = None,
         cuda_graphs: bool | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
+        tp: int = 1,
     ) -> "Engine":
         if not isinstance(name_or_path, (str, Path)):
             raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
@@ -208,14 +215,19 @@ class Engine:
         folder = resolve_model(str(name_or_path), model_dir)
         dtype = parse_dtype(dtype)
         device = _check_device(device)
+        checks.integer(tp, "--tp", 1)
+        if tp > 1 and cuda_graphs:
+            raise UserError("--cuda-graphs on does not work with --tp yet (a graph would hold the all-reduces); "
+                            "leave it out")
         check_cuda_graphs(cuda_graphs, device, ops)  # before the weights load
-        model = load_model(folder, dtype, device, ops)
+        shard = parallel.init(tp, device)
+        model = load_model(folder, dtype, device, ops, shard)
         limit = model.config.max_position_embeddings
         if max_context is not None and not 1 <= max_context <= limit:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
         return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), str(tree), matrix_k,
-                   method, seed, cuda_graphs, max_batch, max_context)
+                   method, seed, False if tp > 1 else cuda_graphs, max_batch, max_context)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages
@@ -366,8 +378,8 @@ class Engine:
     def batch_cache(self) -> BatchKVCache:
         """The batch's caches (max_batch slots of batch_context tokens), allocated at the first batch."""
         if self._batch_cache is None:
-            self._batch_cache = BatchKVCache(self.model.config, self.max_batch, self.batch_context, self.model.dtype,
-                                             self.model.device)
+            m = self.model
+            self._batch_cache = BatchKVCache(m.local_config, self.max_batch, self.batch_context, m.dtype, m.device)
         return self._batch_cache
 
     def decode_steps(self, ids: list[int], max_new_tokens: int, method: str | None = None,

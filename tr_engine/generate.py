@@ -13,6 +13,7 @@ stderr) while the others finish, and the exit status is then 2.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def main(argv=None) -> int:
     engine = engine_from_args(args)
     if args.matrix and Path(args.matrix).is_file():
         engine.load_matrix(args.matrix)  # a file that is not a matrix for this model stops here, left as it is
+    speaks = engine.model.shard.rank == 0  # --tp: every rank decodes alike; rank 0 alone prints and saves the matrix
+    if not speaks:
+        sys.stdout, args.matrix = open(os.devnull, "w"), None
     if prompts is not None:
         return answer_file(engine, prompts, args, sampling)
     result = engine.generate(args.prompt, args.max_new_tokens, chat_template=not args.no_template,
@@ -56,8 +60,9 @@ def main(argv=None) -> int:
             print(result.text, flush=True)
             g = result.generation
             mat = f", {result.mean_accepted:.2f} tokens/step" if args.method != "ar" else ""
-            print(f"[{len(g.token_ids)} tokens, {result.tokens_per_s:.1f} tok/s{mat}, prefill {g.prefill_s:.2f}s]",
-                  file=sys.stderr)
+            if speaks:
+                print(f"[{len(g.token_ids)} tokens, {result.tokens_per_s:.1f} tok/s{mat}, prefill "
+                      f"{g.prefill_s:.2f}s]", file=sys.stderr)
     finally:  # the answer is out first: a matrix that cannot be saved is a warning, never a lost answer
         if args.matrix:
             try:

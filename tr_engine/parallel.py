@@ -17,6 +17,7 @@ n % N ranks one more.
 """
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -26,6 +27,11 @@ from tr_engine.config import LlamaConfig
 from tr_engine.errors import UnsupportedConfig, UserError
 
 DEFAULT_TIMEOUT_S = 120.0  # a rank that does not answer a collective within this ends the run (not a hang)
+TIMEOUT_ENV = "TR_ENGINE_TP_TIMEOUT_S"
+
+
+class RankLost(UserError):
+    """Another rank of the run stopped (or stopped answering): this one cannot go on alone."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,8 @@ class Shard:
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (a no-op alone)."""
         if self.world > 1:
-            torch.distributed.all_reduce(x)
+            with lost_rank():
+                torch.distributed.all_reduce(x)
         return x
 
     def gather_last(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -55,9 +62,30 @@ class Shard:
         widest = self.split(n, 0)[1]
         padded = torch.nn.functional.pad(x, (0, widest - x.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.world)]
-        torch.distributed.all_gather(parts, padded)
+        with lost_rank():
+            torch.distributed.all_gather(parts, padded)
         return torch.cat([p[..., : b - a] for p, (a, b) in zip(parts, (self.split(n, r) for r in
                                                                          range(self.world)))], dim=-1)
+
+
+    def agree(self, seconds: float) -> float:
+        """The largest of the ranks' values (a step's time), the same on every rank: what a decision that every rank
+        must make alike (the adaptive tree's) may depend on."""
+        if self.world == 1:
+            return seconds
+        t = torch.tensor([seconds], dtype=torch.float64)
+        with lost_rank():
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t)
+
+    def from_rank0(self, obj):
+        """Rank 0's `obj` (any picklable value), on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        with lost_rank():
+            torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
 
 
 ALONE = Shard()
@@ -91,9 +119,29 @@ def slices(config: LlamaConfig, shard: Shard) -> dict[str, tuple[int, int, int]]
             "embed_tokens.weight": (0, v0, v1), "lm_head.weight": (0, v0, v1)}
 
 
-def init(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Shard:
+@contextmanager
+def lost_rank():
+    """A collective that failed because another rank is gone (killed, crashed, or silent past the timeout) becomes
+    one line, RankLost, instead of a backend's traceback."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL raise torch.distributed.DistBackendError, a RuntimeError
+        first = (str(e).strip().splitlines() or ["no message"])[0][:200]
+        raise RankLost(f"another rank of this --tp run stopped or did not answer within {timeout_s():g}s ({first}); "
+                       "this rank stops too: see the other ranks' output for why")
+
+
+def timeout_s() -> float:
+    try:
+        return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    except ValueError:
+        raise UserError(f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} is not a number of seconds")
+
+
+def init(tp: int, device: torch.device) -> Shard:
     """Join the run's process group (torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): gloo on a
-    CPU, NCCL on CUDA (each rank on its LOCAL_RANK's GPU), every collective bounded by `timeout_s`."""
+    CPU, NCCL on CUDA (each rank on its LOCAL_RANK's GPU), every collective bounded by $TR_ENGINE_TP_TIMEOUT_S
+    (default 120 s)."""
     if tp == 1:
         return ALONE
     world = os.environ.get("WORLD_SIZE")
@@ -106,5 +154,8 @@ def init(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) ->
 
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        with lost_rank():
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s()))
     return Shard(dist.get_rank(), dist.get_world_size())
