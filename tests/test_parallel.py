@@ -157,3 +157,46 @@ def test_within_a_tp2_run_every_method_emits_plain_decodings_tokens(tiny_factory
     alone = Engine.from_pretrained(folder, dtype="float32", max_context=256)  # and TP=2's tokens are TP=1's
     assert [got["float32", p, "ar"] for p in PROMPTS] == [alone.generate(p, 40, method="ar").token_ids
                                                          for p in PROMPTS]
+
+
+def test_torchrun_runs_the_generate_command_and_rank_0_alone_answers(tiny_factory):
+    import json
+    import subprocess
+    import sys
+
+    folder = str(tiny_factory("tp-methods", num_heads=6, num_kv_heads=3, vocab_size=301))
+    command = ["-m", "tr_engine.generate", "--model", folder, "--prompt", "the cat sat on the mat", "--json",
+               "--max-new-tokens", "24", "--dtype", "float32", "--max-context", "256"]
+    alone = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=300)
+    tp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                         str(free_port()), *command, "--tp", "2"], capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0 and tp.returncode == 0, tp.stderr
+    lines = tp.stdout.strip().splitlines()
+    assert len(lines) == 1  # one answer: rank 0's
+    assert json.loads(lines[0])["token_ids"] == json.loads(alone.stdout)["token_ids"]
+
+
+def test_a_killed_rank_ends_the_run_with_one_line_on_rank_0(tiny_factory):
+    """Started as torchrun starts ranks (its environment variables), rank 1 killed mid-answer: rank 0 stops within
+    the timeout with one line naming the cause, instead of hanging in its next all-reduce."""
+    import subprocess
+    import sys
+    import time
+
+    folder = str(tiny_factory("tp-long", num_heads=6, num_kv_heads=3, vocab_size=301, max_positions=8192))
+    port, ranks = free_port(), []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "TR_ENGINE_TP_TIMEOUT_S": "30"}
+        ranks.append(subprocess.Popen([sys.executable, "-m", "tr_engine.generate", "--model", folder, "--tp", "2",
+                                       "--prompt", "hello there", "--max-new-tokens", "3000", "--max-context", "4096",
+                                       "--method", "ar", "--threads", "1"], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    time.sleep(6)  # loaded and decoding ("hello there" runs to 3000 tokens here, about 20 s at 2 ranks)
+    assert ranks[0].poll() is None and ranks[1].poll() is None
+    ranks[1].kill()
+    started = time.time()
+    _, err = ranks[0].communicate(timeout=60)
+    assert time.time() - started < 35 and ranks[0].returncode == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: another rank of this --tp run stopped"), err

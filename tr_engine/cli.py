@@ -48,6 +48,8 @@ def run(main, argv=None) -> int:
         return main(argv)
     except UserError as e:
         _say(f"error: {e}")
+        if getattr(e, "abandon_process", False):  # a --tp rank whose peers are gone: the distributed backend's
+            _exit_now(EXIT_USAGE)                 # teardown could abort in its own threads; skip it
         return EXIT_USAGE
     except KeyboardInterrupt:
         _say("\ninterrupted")
@@ -72,6 +74,15 @@ def run(main, argv=None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_now(status: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _terminate(signum, frame):

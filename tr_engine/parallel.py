@@ -17,6 +17,7 @@ n % N ranks one more.
 """
 
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -31,7 +32,10 @@ TIMEOUT_ENV = "TR_ENGINE_TP_TIMEOUT_S"
 
 
 class RankLost(UserError):
-    """Another rank of the run stopped (or stopped answering): this one cannot go on alone."""
+    """Another rank of the run stopped (or stopped answering): this one cannot go on alone. A command ends at once
+    on it (tr_engine/cli.py), without the backend's teardown, which can abort on a broken connection."""
+
+    abandon_process = True
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ def lost_rank():
     try:
         yield
     except RuntimeError as e:  # gloo and NCCL raise torch.distributed.DistBackendError, a RuntimeError
-        first = (str(e).strip().splitlines() or ["no message"])[0][:200]
+        first = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or ["no message"])[0])[:160]
         raise RankLost(f"another rank of this --tp run stopped or did not answer within {timeout_s():g}s ({first}); "
                        "this rank stops too: see the other ranks' output for why")
 
