@@ -200,3 +200,19 @@ def test_a_killed_rank_ends_the_run_with_one_line_on_rank_0(tiny_factory):
     assert time.time() - started < 35 and ranks[0].returncode == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: another rank of this --tp run stopped"), err
+
+
+def test_torchrun_chat_reads_on_rank_0_and_every_rank_follows(tiny_factory):
+    import subprocess
+    import sys
+
+    folder = str(tiny_factory("tp-methods", num_heads=6, num_kv_heads=3, vocab_size=301))
+    command = ["-m", "tr_engine.chat", "--model", folder, "--max-new-tokens", "16", "--quiet", "--no-persist",
+               "--max-context", "256"]
+    turns = "hello there\n/method tr\nthe cat sat on the mat\n"
+    alone = subprocess.run([sys.executable, *command], input=turns, capture_output=True, text=True, timeout=300)
+    tp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                         str(free_port()), *command, "--tp", "2"], input=turns, capture_output=True, text=True,
+                        timeout=300)
+    assert alone.returncode == 0 and tp.returncode == 0, tp.stderr
+    assert tp.stdout == alone.stdout and tp.stdout.count("\n") == 2  # two answers, once each

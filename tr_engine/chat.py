@@ -7,6 +7,7 @@ Ctrl-C stops an answer and keeps the conversation, Ctrl-D quits. With stdin not 
 only the answers go to stdout (statistics to stderr). User errors print one line and exit with status 2.
 """
 
+import os
 import sys
 
 from tr_engine import checks
@@ -173,7 +174,13 @@ def turn(session: Session, text: str, quiet: bool) -> None:
 
 
 def handle(session: Session, line: str, quiet: bool) -> str:
-    """One input line, a /command or a turn: "quit", "ok", or "failed" (a user error, reported; the chat goes on)."""
+    """One input line, a /command or a turn: "quit", "ok", or "failed" (a user error, reported; the chat goes on).
+    Under --tp, rank 0 (which reads the input) hands the line to the other ranks first (follow())."""
+    session.engine.model.shard.from_rank0(line)
+    return handle_here(session, line, quiet)
+
+
+def handle_here(session: Session, line: str, quiet: bool) -> str:
     line = line.strip()
     if not line:
         return "ok"
@@ -218,6 +225,14 @@ def piped(session: Session, lines, quiet: bool) -> bool:
     return ok
 
 
+def follow(session: Session) -> None:
+    """A rank other than 0 under --tp: take each line rank 0 reads and decode it in step, silently, until rank 0
+    says the input has ended (None)."""
+    shard = session.engine.model.shard
+    while (line := shard.from_rank0(None)) is not None:
+        handle_here(session, line, quiet=True)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # Bytes that are not UTF-8 arrive as lone surrogates, and the turn that holds them is refused with one line
@@ -227,16 +242,23 @@ def main(argv=None) -> int:
     sampling = sampling_from_args(args)  # bad values are refused before the model loads
     engine = engine_from_args(args)
     save_to = load_matrix(args, engine)
+    shard = engine.model.shard
+    if shard.rank != 0:  # --tp: rank 0 reads the input, answers and saves the matrix; the others decode in step
+        sys.stdout, save_to = open(os.devnull, "w"), None
     status = 0
     try:
         session = Session(engine, args.method, args.max_new_tokens, args.system, args.seed_from_prompt, sampling)
         if args.prompt is not None:
-            turn(session, args.prompt, args.quiet)
+            turn(session, args.prompt, args.quiet or shard.rank != 0)
+        elif shard.rank != 0:
+            follow(session)
         elif sys.stdin.isatty():
             interactive(session, args.quiet)
         elif not piped(session, sys.stdin, args.quiet):
             status = 2
     finally:  # on the way out whatever happened (Ctrl-C, SIGTERM, an error): the answers are out, now the matrix
+        if shard.world > 1 and shard.rank == 0 and args.prompt is None:
+            shard.from_rank0(None)  # the input has ended: the other ranks stop
         if save_to is not None:
             try:
                 engine.save_matrix(save_to)

@@ -130,8 +130,9 @@ def engine_from_args(args):
                                     None if args.cuda_graphs is None else args.cuda_graphs == "on",
                                     max_batch=getattr(args, "batch", 8), tp=args.tp)
     if args.tree == ADAPTIVE:  # measured at the first adaptive step (or now, on --recalibrate), with a notice
-        engine.on_calibrate = lambda: print("measuring this machine's verify cost for the adaptive tree (once; "
-                                            "cached)...", file=sys.stderr, flush=True)
+        if engine.model.shard.rank == 0:  # (every rank measures under --tp; one says so)
+            engine.on_calibrate = lambda: print("measuring this machine's verify cost for the adaptive tree (once; "
+                                                "cached)...", file=sys.stderr, flush=True)
         if args.recalibrate:
             engine.cost_model(recalibrate=True)
     return engine

@@ -16,6 +16,7 @@ Glossary: N ranks (world), r this rank, V vocab; split(n) gives rank r its conti
 n % N ranks one more.
 """
 
+import atexit
 import os
 import re
 from contextlib import contextmanager
@@ -162,4 +163,18 @@ def init(tp: int, device: torch.device) -> Shard:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         with lost_rank():
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s()))
+        atexit.register(leave)
     return Shard(dist.get_rank(), dist.get_world_size())
+
+
+def leave() -> None:
+    """At exit: wait for the other ranks, then take the process group down together (a rank that tore its
+    connections down while another still used them made the backend abort that one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 (the others are gone already: nothing left to do)
+            pass

@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     if args.seed_from_prompt:
         raise UserError("--seed-from-prompt is not supported by the server (its batch shares one matrix); leave it "
                         "out")
+    if args.tp > 1:
+        raise UserError("--tp is not supported by the server yet (the generate and chat commands take it); leave it "
+                        "out")
     sampling = sampling_from_args(args)  # bad values are refused before the model loads
     listener = listen(args.host, args.port)  # and a port that is taken
     from tr_engine.openai_api import Defaults, create_app  # imports torch and FastAPI: after the checks
