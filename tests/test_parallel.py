@@ -216,3 +216,44 @@ def test_torchrun_chat_reads_on_rank_0_and_every_rank_follows(tiny_factory):
                         timeout=300)
     assert alone.returncode == 0 and tp.returncode == 0, tp.stderr
     assert tp.stdout == alone.stdout and tp.stdout.count("\n") == 2  # two answers, once each
+
+
+def recycle_logits(V: int = 301, T: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify step's tokens (a repeated one among them) and logits with many ties (a few distinct values)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 40, (T, V), generator=g).float() / 4  # ~8 ids per value: ties, across the shards
+    tokens = torch.tensor([5, 17, 300, 5, 150, 151, 0, 17, 42])
+    return tokens, logits
+
+
+def topk_worker(rank: int, world: int, port: int, out: str) -> None:
+    from tr_engine.matrix import RecyclingMatrix
+
+    shard = joined(rank, world, port)
+    tokens, logits = recycle_logits()
+    start, stop = shard.split(logits.shape[1])
+    values, ids = shard.topk(logits[:, start:stop], 8, start)  # this rank's shard of the logits only
+    matrix = RecyclingMatrix(logits.shape[1], 8)
+    matrix.recycle_top_(tokens, values, ids)
+    torch.save((matrix.table, matrix.confidence), f"{out}.{rank}")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_shards_top_k_merged_recycle_the_rows_the_whole_logits_do(world, tmp_path):
+    from tr_engine.matrix import RecyclingMatrix
+
+    spawn(topk_worker, world, str(tmp_path / "m"))
+    tokens, logits = recycle_logits()
+    values, ids = logits.sort(dim=-1, descending=True, stable=True)
+    first = Shard(0, world).split(logits.shape[1])[1]
+    straddles = [(ids[t, :8] < first).any() and (ids[t, :8] >= first).any() and
+                 any((values[t, :8] == v).sum() > 1 for v in values[t, :8]) for t in range(len(tokens))]
+    assert any(straddles)  # (a row whose top-k mixes the shards and holds a tie: the case the merge must get right)
+    for ops in ("reference", "kernels"):
+        whole = RecyclingMatrix(logits.shape[1], 8, ops=ops)
+        whole.recycle_(tokens, logits)
+        for rank in range(world):
+            table, confidence = torch.load(tmp_path / f"m.{rank}")
+            assert torch.equal(table, whole.table) and torch.equal(confidence, whole.confidence), (ops, rank)

@@ -65,6 +65,21 @@ class RecyclingMatrix:
             self._host[0][rows] = self.table[tokens].cpu()
             self._host[1][rows] = self.confidence[tokens].cpu()
 
+    def recycle_top_(self, tokens: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor) -> None:
+        """recycle_ from each node's top-k alone ([T, k] values and ids, best first, as a stable top-k of the logits
+        gives them): under tensor parallelism, merged from the ranks' shards (Shard.topk) instead of gathering whole
+        rows of logits. The same rows and confidences as recycle_ on the whole logits."""
+        ids = tokens.tolist()
+        last = sorted({t: i for i, t in enumerate(ids)}.values())  # a token at several nodes: the last one's
+        where = torch.tensor(last, device=tokens.device)
+        tokens, top_values, top_ids = tokens[where], top_values[where], top_ids[where]
+        self.table[tokens] = top_ids
+        self.confidence[tokens] = top_values.float().softmax(dim=-1).half()
+        if self._host is not None:
+            rows = tokens.cpu()
+            self._host[0][rows] = top_ids.cpu()
+            self._host[1][rows] = self.confidence[tokens].cpu()
+
     def host(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(table, confidence) for reading on the host: the tensors themselves on a CPU, else the CPU mirror."""
         if not self.mirrored:

@@ -73,6 +73,26 @@ class Shard:
                                                                          range(self.world)))], dim=-1)
 
 
+    def topk(self, logits: torch.Tensor, k: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k over the whole vocabulary from each rank's shard of the logits ([T, V_r], this rank's ids
+        start..start+V_r-1): each rank's k best (a stable sort: ties by the lower id), all-gathered, and the k best
+        of those, stably again. The ranks' candidates arrive in rank order, which is id order, so a tie still goes to
+        the lower id: the same ids, in the same order, as a stable top-k of the whole row. Returns (values [T, k],
+        ids [T, k] int64), the same on every rank: what the recycling matrix needs of a row, at k values a rank
+        instead of V_r."""
+        values, ids = logits.sort(dim=-1, descending=True, stable=True)
+        values, ids = values[:, :k].contiguous(), ids[:, :k] + start  # [T, k] each
+        if self.world == 1:
+            return values, ids
+        all_values = [torch.empty_like(values) for _ in range(self.world)]
+        all_ids = [torch.empty_like(ids) for _ in range(self.world)]
+        with lost_rank():
+            torch.distributed.all_gather(all_values, values)
+            torch.distributed.all_gather(all_ids, ids)
+        values, ids = torch.cat(all_values, dim=1), torch.cat(all_ids, dim=1)  # [T, N*k], rank (= id) order
+        best = values.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        return values.gather(1, best), ids.gather(1, best)
+
     def agree(self, seconds: float) -> float:
         """The largest of the ranks' values (a step's time), the same on every rank: what a decision that every rank
         must make alike (the adaptive tree's) may depend on."""
