@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 SUBSET = Path(__file__).resolve().parents[1] / "tests" / "data" / "dev_subset.jsonl"
 
@@ -49,9 +48,11 @@ def worker(rank: int, world: int, port: int, args: dict, prompts: list[str], out
         row[f"{method}_ids"] = ids
     row["rss_mb_after"] = rss_mb()
     Path(f"{out}.{rank}").write_text(json.dumps(row))
-    if world > 1:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    if world > 1:  # every rank done, then out without gloo's teardown (tr_engine.parallel.leave says why)
+        from tr_engine.parallel import leave
+
+        leave()
+        os._exit(0)
 
 
 def _tensors(model):

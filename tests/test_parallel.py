@@ -43,6 +43,14 @@ def joined(rank: int, world: int, port: int) -> Shard:
     return parallel.init(world, torch.device("cpu"))
 
 
+def finish() -> None:
+    """A worker's end, as a command's (tr_engine/cli.py): every rank done, then out without the backend's teardown."""
+    from tr_engine.parallel import leave
+
+    leave()
+    os._exit(0)
+
+
 def forwards(model) -> dict[str, torch.Tensor]:
     """A prompt (causal attention), a decode step and a tree verify (the tree_attention op) on one cache."""
     from tr_engine.kv_cache import KVCache
@@ -68,8 +76,7 @@ def logits_worker(rank: int, world: int, port: int, folders: dict, out: str) -> 
                          "vocab rows": model.vocab[1] - model.vocab[0]}
     if rank == 0:
         torch.save(results, out)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish()
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 301])
@@ -132,8 +139,7 @@ def methods_worker(rank: int, world: int, port: int, folder: str, out: str) -> N
             results[dtype, p, "sampled-hybrid"] = engine.generate(p, 24, method="hybrid", temperature=1.0,
                                                                   seed=3).token_ids
     torch.save(results, f"{out}.{rank}")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish()
 
 
 def test_within_a_tp2_run_every_method_emits_plain_decodings_tokens(tiny_factory, tmp_path):
@@ -236,8 +242,7 @@ def topk_worker(rank: int, world: int, port: int, out: str) -> None:
     matrix = RecyclingMatrix(logits.shape[1], 8)
     matrix.recycle_top_(tokens, values, ids)
     torch.save((matrix.table, matrix.confidence), f"{out}.{rank}")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish()
 
 
 @pytest.mark.parametrize("world", [2, 3])

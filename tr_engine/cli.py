@@ -41,7 +41,17 @@ def warn(message: str) -> None:
 
 
 def run(main, argv=None) -> int:
-    """main(argv) -> exit status, with every way it can fail turned into one line and a status (above)."""
+    """main(argv) -> exit status, with every way it can fail turned into one line and a status (above). A rank of a
+    --tp run waits for the others at the end and exits there (tr_engine.parallel.leave)."""
+    status = _run(main, argv)
+    parallel = sys.modules.get("tr_engine.parallel")
+    if parallel is not None and parallel.joined():
+        parallel.leave()
+        _exit_now(status)
+    return status
+
+
+def _run(main, argv=None) -> int:
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
     try:

@@ -16,7 +16,6 @@ Glossary: N ranks (world), r this rank, V vocab; split(n) gives rank r its conti
 n % N ranks one more.
 """
 
-import atexit
 import os
 import re
 from contextlib import contextmanager
@@ -183,18 +182,19 @@ def init(tp: int, device: torch.device) -> Shard:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         with lost_rank():
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s()))
-        atexit.register(leave)
     return Shard(dist.get_rank(), dist.get_world_size())
 
 
-def leave() -> None:
-    """At exit: wait for the other ranks, then take the process group down together (a rank that tore its
-    connections down while another still used them made the backend abort that one)."""
-    import torch.distributed as dist
+def joined() -> bool:
+    """Whether this process is a rank of a --tp run."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
-    if dist.is_initialized():
-        try:
-            dist.barrier()
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 (the others are gone already: nothing left to do)
-            pass
+
+def leave() -> None:
+    """The end of a rank's run: wait until every rank is done, then go (tr_engine/cli.py then exits at once). The
+    process group is not taken down: gloo's teardown, racing a peer that already closed its connections, aborted a
+    finished rank now and then."""
+    try:
+        torch.distributed.barrier()
+    except RuntimeError:  # the others are gone already: nothing to wait for
+        pass
