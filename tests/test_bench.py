@@ -156,12 +156,12 @@ def test_serve_bench_and_its_soak_on_a_tiny_model(tiny_factory, tmp_path):
     model = str(tiny_factory("bench-serve"))
     common = ("--model", model, "--dtype", "float32", "--questions-file", str(questions), "--max-new-tokens", "6",
               "--threads", "1", "--out", str(tmp_path))
-    proc = run_module("bench.serve", *common, "--questions", "3", "--warmup", "1", "--clients", "1", "2")
+    proc = run_module("bench.serve", *common, "--questions", "3", "--warmup", "1", "--clients", "2")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
-    assert set(rows) == {f"{m}@{c}" for m in ("ar", "hybrid") for c in (1, 2)}
+    assert set(rows) == {"ar@2", "hybrid@2"}
     assert all(r["identical"] == 3 and r["tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 for r in rows.values())
-    proc = run_module("bench.serve", *common, "--soak", "--requests", "60", "--soak-clients", "4")
+    proc = run_module("bench.serve", *common, "--soak", "--requests", "52", "--soak-clients", "4")
     assert proc.returncode == 0, proc.stderr
     soak = json.loads((tmp_path / "serve_soak.json").read_text())
     assert soak["failed"] == 0 and soak["exit_status"] == 0 and soak["matrix_loads"] is True, soak
