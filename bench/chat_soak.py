@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.machine import machine_info, machine_line
+from bench.machine import machine_info, machine_line, rss_kb
 from bench.specbench import DEFAULT_QUESTIONS
 from tr_engine.cli import ArgumentParser, run
 from tr_engine.cli_args import integer
@@ -39,13 +39,6 @@ def turns_of(path: Path):
             for text in row["turns"]:
                 yield " ".join(text.split())
             yield "/reset"
-
-
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def soak(args) -> dict:

@@ -73,3 +73,11 @@ def copy_bandwidth(device: str = "cpu", n_bytes: int | None = None, reps: int = 
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return 2 * n_bytes / statistics.median(times) / 1e9
+
+
+def rss_kb(pid: int | str = "self") -> int:
+    """A process's resident memory (VmRSS), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for process {pid}")

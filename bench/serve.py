@@ -28,15 +28,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.batch import percentile
+
 CLIENTS = (1, 4, 16)
 METHODS = ("ar", "hybrid")
 SOAK_BASELINE = 50
 TOLERANCE = 0.10
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
 class Server:
@@ -74,10 +71,9 @@ class Server:
         return client
 
     def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
+        from bench.machine import rss_kb
+
+        return rss_kb(self.process.pid) / 1024
 
     def stop(self) -> tuple[int, str]:
         self.process.send_signal(signal.SIGTERM)

@@ -23,10 +23,9 @@ SUBSET = Path(__file__).resolve().parents[1] / "tests" / "data" / "dev_subset.js
 
 
 def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    from bench.machine import rss_kb
+
+    return rss_kb() / 1024
 
 
 def worker(rank: int, world: int, port: int, args: dict, prompts: list[str], out: str) -> None:
