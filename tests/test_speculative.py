@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tr_engine import reference
+from tr_engine.cost import CostModel
 from tr_engine.decode import plain_generate
 from tr_engine.drafters import Draft, PromptLookup, TokenRecycling
 from tr_engine.engine import shared_prefix
@@ -208,14 +209,17 @@ def test_smollm2_half_speculative_decoding_is_bitwise_lossless(smollm2_half):
     seed. The static 81-node tree puts tree keys at every depth; the second turn reuses a cache that the first turn's
     verify steps filled."""
     engine = smollm2_half
-    drafters = {"tr-adaptive": engine.new_drafter("tr"), "tr-2.2.2": engine.new_drafter("tr", tree="2.2.2"),
-                "pld": engine.new_drafter("pld"), "hybrid": engine.new_drafter("hybrid")}
+    # In fp16, which nothing else here runs, the adaptive trees are priced by a pinned flat curve up to 32 tokens
+    # rather than by a curve measured first (a calibration of fp16 on this CPU costs more than the test).
+    cost = CostModel.flat(32) if engine.model.dtype == torch.float16 else None
+    drafters = {"tr-adaptive": engine.new_drafter("tr", cost=cost),
+                "tr-2.2.2": engine.new_drafter("tr", tree="2.2.2"),
+                "pld": engine.new_drafter("pld"), "hybrid": engine.new_drafter("hybrid", cost=cost)}
     question = "Explain why the sky is blue in two sentences."
     # Plain decoding's answers, once: the first turn, the second on a reused cache, and a seeded sample.
     plain_first = engine.generate(question, max_new_tokens=48, method="ar")
     conversation = [{"role": "user", "content": question}, {"role": "assistant", "content": plain_first.text},
                     {"role": "user", "content": "Now say it again, in other words."}]
-    engine.generate(conversation[:1], max_new_tokens=48, method="ar")
     plain_second = engine.generate(conversation, max_new_tokens=48, method="ar", reuse_cache=True).token_ids
     plain_sampled = engine.generate(question, max_new_tokens=32, method="ar", temperature=1.0, top_p=0.9,
                                     seed=5).token_ids
