@@ -118,6 +118,18 @@ def test_two_ranks_give_one_rank_logits_within_float64_rounding(tiny_factory):
             torch.testing.assert_close(got[name][what], want[what], rtol=1e-12, atol=1e-12, msg=f"{name} {what}")
 
 
+def spy_on_gathers() -> list[int]:
+    """The number of rows of every logits gather (Shard.gather_last) from now on, in this process."""
+    rows, gather_last = [], Shard.gather_last
+
+    def counted(self, x, n):
+        rows.append(x.shape[0])
+        return gather_last(self, x, n)
+
+    Shard.gather_last = counted
+    return rows
+
+
 PROMPTS = ["hello there", "the cat sat on the mat, the cat sat"]
 METHODS = ("tr", "hybrid", "pld")
 
@@ -126,15 +138,18 @@ def methods_worker(rank: int, world: int, port: int, folder: str, out: str) -> N
     from tr_engine.engine import Engine
 
     joined(rank, world, port)
+    gathered = spy_on_gathers()
     results = {}
     for dtype in ("float32", "bfloat16"):
         engine = Engine.from_pretrained(folder, dtype=dtype, tp=world, max_context=256)
         for p in PROMPTS:
             results[dtype, p, "ar"] = engine.generate(p, 40, method="ar").token_ids
             for method in METHODS:
+                gathered.clear()
                 r = engine.generate(p, 40, method=method)
                 results[dtype, p, method] = r.token_ids
                 results[dtype, p, method, "steps"] = r.generation.steps
+                results[dtype, p, method, "rows gathered"] = max(gathered)
             results[dtype, p, "sampled-ar"] = engine.generate(p, 24, method="ar", temperature=1.0, seed=3).token_ids
             results[dtype, p, "sampled-hybrid"] = engine.generate(p, 24, method="hybrid", temperature=1.0,
                                                                   seed=3).token_ids
@@ -160,6 +175,9 @@ def test_within_a_tp2_run_every_method_emits_plain_decodings_tokens(tiny_factory
                 assert got[dtype, p, method] == got[dtype, p, "ar"], (dtype, p, method)
             assert got[dtype, p, "sampled-hybrid"] == got[dtype, p, "sampled-ar"], (dtype, p)
     assert any(got["float32", p, m, "steps"] < len(got["float32", p, "ar"]) for p in PROMPTS for m in METHODS)
+    # greedy verify steps merged each node's top-k across the ranks: no whole rows of logits but the prompt's last
+    gathers = {key: rows for key, rows in got.items() if key[-1] == "rows gathered"}
+    assert set(gathers.values()) == {1}, gathers
     alone = Engine.from_pretrained(folder, dtype="float32", max_context=256)  # and TP=2's tokens are TP=1's
     assert [got["float32", p, "ar"] for p in PROMPTS] == [alone.generate(p, 40, method="ar").token_ids
                                                          for p in PROMPTS]
@@ -224,6 +242,23 @@ def test_torchrun_chat_reads_on_rank_0_and_every_rank_follows(tiny_factory):
                         timeout=300)
     assert alone.returncode == 0 and tp.returncode == 0, tp.stderr
     assert tp.stdout == alone.stdout and tp.stdout.count("\n") == 2  # two answers, once each
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_stable_topk_is_the_head_of_a_stable_sort_ties_and_all(dtype):
+    """torch.topk alone may take any of several values tied at the k-th place; stable_topk takes the lowest ids, as
+    the recycling kernel and a stable sort do, and orders ties by id."""
+    from tr_engine.parallel import stable_topk
+
+    g = torch.Generator().manual_seed(0)
+    for distinct in (1, 3, 40, None):  # every value tied, a few values (ties everywhere), some ties, almost none
+        x = torch.randn(16, 301, generator=g) if distinct is None else torch.randint(0, distinct, (16, 301),
+                                                                                     generator=g) / 4
+        x = x.to(dtype)
+        values, ids = x.sort(dim=-1, descending=True, stable=True)
+        for k in (1, 2, 8, 301):
+            got = stable_topk(x, k)
+            assert torch.equal(got[0], values[:, :k]) and torch.equal(got[1], ids[:, :k]), (distinct, k)
 
 
 def recycle_logits(V: int = 301, T: int = 9) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,25 +121,19 @@ def test_retrieve_from_a_hand_filled_matrix():
     assert m.retrieve(torch.tensor(3), tree).tolist() == [3, 4, 5, 6, 7, 8]
 
 
-def onehot_logits(preds, vocab=10):
-    logits = torch.zeros(len(preds), vocab)
-    logits[torch.arange(len(preds)), torch.tensor(preds)] = 1.0
-    return logits
-
-
 def test_accept_full_reject_full_accept_and_identical_siblings():
     tree = build_tree([[0], [1], [0, 0]])  # tokens: root, a=[0], b=[1], c=[0,0]
     draft = Draft(tree, torch.tensor([3, 4, 4, 6]))  # both depth-1 siblings drafted token 4
     # The model predicts 4 after the root: the lower-rank sibling (index 1) is taken, then 6 after it, then 9.
-    path, committed = accept(draft, onehot_logits([4, 6, 0, 9]))
+    path, committed = accept(draft, torch.tensor([4, 6, 0, 9]))
     assert path == [1, 3] and committed == [4, 6, 9]
-    path, committed = accept(draft, onehot_logits([7, 0, 0, 0]))  # full reject: only the bonus token
+    path, committed = accept(draft, torch.tensor([7, 0, 0, 0]))  # full reject: only the bonus token
     assert path == [] and committed == [7]
 
 
 def test_accept_full_chain_takes_every_draft_plus_the_bonus():
     draft = Draft(chain_tree(3), torch.tensor([1, 2, 3, 4]))
-    path, committed = accept(draft, onehot_logits([2, 3, 4, 5]))
+    path, committed = accept(draft, torch.tensor([2, 3, 4, 5]))
     assert path == [1, 2, 3] and committed == [2, 3, 4, 5]
 
 

@@ -174,7 +174,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 committed = []
                 for r, draft, lg in zip(order, drafts, rows):
                     if r.sampler is None:
-                        path, tokens = accept(draft, lg)
+                        path, tokens = accept(draft, lg.argmax(dim=-1))
                     else:
                         path, tokens = accept_sampled(draft, lg, r.sampler, len(r.out))
                     compact(cache.view(r.slot), path, ops)

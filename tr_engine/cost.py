@@ -32,11 +32,15 @@ PREFIXES = (256, 1024)  # cached tokens before the step (less in a small cache);
 
 
 @torch.inference_mode()
-def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = True) -> dict[int, float]:
+def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = True,
+               top_k: int = 8) -> dict[int, float]:
     """Median seconds of one forward of T tokens (a breadth-first tree; T = 1 is a plain decode step, no mask) after
     `prefix` cached tokens, for every T in `sizes`, timed in alternation so that a noisy spell hits every size alike.
-    With `with_argmax`, each timing includes the argmax over the logits and its host sync (what a decode step pays).
-    Overwrites the cache's slots 0..prefix+max(sizes)-1 and leaves cache.length = 0."""
+    With `with_argmax`, each timing includes the argmax over the logits and its host sync (what a decode step pays);
+    under tensor parallelism a tree's includes instead the merge of its rows' top-`top_k` across the ranks (what a
+    greedy verify step pays: tr_engine/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
+    leaves cache.length = 0."""
+    sharded = getattr(model, "shard", None) is not None and model.shard.world > 1
     g = torch.Generator().manual_seed(0)
     device = cache.data.device
     ids = torch.randint(0, model.config.vocab_size, (prefix + 1,), generator=g).to(device)
@@ -48,6 +52,9 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     def step(T: int):
         if T == 1:
             logits = model(ids[prefix:], torch.tensor([prefix], device=device), cache.data, prefix)
+        elif sharded and with_argmax:
+            logits = model.top_k(model(ids[prefix:].repeat(T), depths[T], cache.data, prefix, tree_mask=masks[T],
+                                       gather=False), top_k)[1]
         else:
             logits = model(ids[prefix:].repeat(T), depths[T], cache.data, prefix, tree_mask=masks[T])
         if with_argmax:
@@ -115,16 +122,17 @@ class CostModel:
         return cls(buckets, PREFIXES, [[1.0] * len(buckets)] * 2, [0.0, 0.0], {"flat": max_tokens})
 
     @classmethod
-    def measure(cls, model, cache, key: dict, reps: int = 3) -> "CostModel":
+    def measure(cls, model, cache, key: dict, reps: int = 3, top_k: int = 8) -> "CostModel":
         """Time the buckets that fit twice over in the cache (all of them from 256 slots up), after the PREFIXES
-        clamped to what the biggest leaves. A cache too small for a draft gets a curve of plain steps only."""
+        clamped to what the biggest leaves (time_steps: `top_k` is the matrix's k). A cache too small for a draft
+        gets a curve of plain steps only."""
         sizes = tuple(T for T in BUCKETS if T <= cache.capacity // 2)
         if len(sizes) < 2:
             return cls((1,), (0, 0), [[1.0], [1.0]], [0.0, 0.0], key)
         prefixes = tuple(min(p, cache.capacity - sizes[-1]) for p in PREFIXES)
         relative, plain = [], []
         for prefix in prefixes:
-            s = time_steps(model, cache, sizes, prefix, reps)
+            s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k)
             # A bigger verify never costs less than a smaller one; measured inversions are noise.
             rel, top = [], 0.0
             for T in sizes:
@@ -162,8 +170,10 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
 
 
-def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str, cuda_graphs: bool = False) -> dict:
-    """What the cost curve depends on; a cached curve with another key is measured again."""
+def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str, cuda_graphs: bool = False,
+             tp: int = 1) -> dict:
+    """What the cost curve depends on; a cached curve with another key is measured again. (`tp`: a step under
+    tensor parallelism pays the ranks' collectives too, a cost of its own.)"""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -175,7 +185,7 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     return {"model": model_name, "dtype": str(dtype).removeprefix("torch."), "device": where,
             "threads": torch.get_num_threads(), "ops": ops, "torch": torch.__version__,
-            "build": kernels_build() if "kernels" in ops else None, "cuda_graphs": cuda_graphs}
+            "build": kernels_build() if "kernels" in ops else None, "cuda_graphs": cuda_graphs, "tp": tp}
 
 
 def kernels_build() -> str:

@@ -16,6 +16,9 @@ Everything a step's later calls need from its proposal travels in the Draft, nev
 serves many sequences at once (tr_engine/batch.py). A drafter may also offer propose_batch(histories) -> Drafts, one
 step's drafts for several sequences planned together (the adaptive tree splits one forward's budget among them), and
 recycle_batch(drafts, logits), their recycles in one update; without them, each sequence proposes and recycles alone.
+And it may offer `top_k` (the k its recycling needs: 1 for none) and recycle_top(draft, values, ids), the recycle
+from each node's top-k alone (values and ids [n+1, top_k], best first): a greedy step under tensor parallelism then
+merges just those from the ranks' columns of the logits (tr_engine/parallel.py) instead of gathering whole rows.
 """
 
 from dataclasses import dataclass, field, replace
@@ -112,6 +115,13 @@ class TokenRecycling:
     def recycle(self, draft: Draft, logits: torch.Tensor) -> None:
         self.matrix.recycle_(draft.tokens, logits)
 
+    @property
+    def top_k(self) -> int:
+        return self.matrix.k
+
+    def recycle_top(self, draft: Draft, values: torch.Tensor, ids: torch.Tensor) -> None:
+        self.matrix.recycle_top_(draft.tokens, values, ids)
+
     def recycle_batch(self, drafts: list[Draft], logits: torch.Tensor) -> None:
         """A batched step's recycle in one update: the drafts' tokens in order against all their logits rows (the
         last writer of a row wins, as one recycle per draft in this order would have it)."""
@@ -150,6 +160,11 @@ class PromptLookup:
 
     def recycle(self, draft: Draft, logits: torch.Tensor) -> None:
         pass  # no matrix
+
+    top_k = 1  # (greedy acceptance's argmax alone)
+
+    def recycle_top(self, draft: Draft, values: torch.Tensor, ids: torch.Tensor) -> None:
+        pass
 
 
 class Hybrid:
@@ -227,6 +242,13 @@ class Hybrid:
 
     def recycle(self, draft: Draft, logits: torch.Tensor) -> None:
         self.tr.recycle(draft, logits)
+
+    @property
+    def top_k(self) -> int:
+        return self.tr.top_k
+
+    def recycle_top(self, draft: Draft, values: torch.Tensor, ids: torch.Tensor) -> None:
+        self.tr.recycle_top(draft, values, ids)
 
     def recycle_batch(self, drafts: list[Draft], logits: torch.Tensor) -> None:
         self.tr.recycle_batch(drafts, logits)

@@ -151,7 +151,8 @@ class Engine:
         return drafter_class(method).build(DrafterSetup(device, static, new_matrix, new_adaptive))
 
     def _cost_location(self):
-        key = cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops.kind, self.cuda_graphs)
+        key = cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops.kind, self.cuda_graphs,
+                       self.model.shard.world)
         return key, cost_path(home(), key)
 
     def cost_model(self, recalibrate: bool = False) -> CostModel:
@@ -166,7 +167,7 @@ class Engine:
         if shard.from_rank0(cost is None):
             if self.on_calibrate is not None:
                 self.on_calibrate()
-            cost = CostModel.measure(self.runner, self.cache, key)
+            cost = CostModel.measure(self.runner, self.cache, key, top_k=self.matrix_k)
             self.reset_cache()
             try:
                 if shard.rank == 0:

@@ -6,7 +6,8 @@ they go, and whether they attend causally or through a tree mask.
 
 Under tensor parallelism (tr_engine/parallel.py) each rank builds the layers of its own slice (`local_config`: its
 heads, its part of the FFN, its rows of the vocabulary), adds the partial outputs of o_proj and down_proj across ranks,
-and gathers the logits, so the forward returns every rank the whole model's logits.
+and gathers the logits, so the forward returns every rank the whole model's logits; or, with `gather=False`, its own
+columns of them, which a greedy verify step reduces to the merged top-k (Llama.top_k) instead.
 
 Glossary: T new tokens, P cached prefix tokens, S cache capacity, Hq/Hkv query/key-value heads, G = Hq // Hkv,
 D head dim, E hidden size, F FFN size, V vocab, L layers.
@@ -260,6 +261,7 @@ class Llama(nn.Module):
         tree_mask: torch.Tensor | None = None,
         last_logits_only: bool = False,
         batch: RaggedBatch | None = None,
+        gather: bool = True,
     ) -> torch.Tensor:
         """Run T new tokens against the P = `start` tokens already in the cache and return their logits.
 
@@ -274,7 +276,9 @@ class Llama(nn.Module):
         prefix (tr_engine/graphs.py). The caller keeps start + T within the cache.
         With `batch` (a RaggedBatch), the rows are several sequences' in one forward: kv_cache is a BatchKVCache's
         [N, L, 2, Hkv, S, D], each sequence's rows attend to their own slot (tree_attention_batch), `start` is unused.
-        Returns logits [T, V] in float32 (float64 for a float64 model), or [1, V] for the last token when `last_logits_only`.
+        Returns logits [T, V] in float32 (float64 for a float64 model), or [1, V] for the last token when
+        `last_logits_only`; under tensor parallelism with `gather=False`, this rank's columns [T, V_r] of them (ids
+        self.vocab[0]..).
         """
         T = input_ids.shape[0]
         G = self.config.num_attention_heads // self.config.num_key_value_heads  # (a rank's slice has the same G)
@@ -304,8 +308,15 @@ class Llama(nn.Module):
         if last_logits_only:
             x = x[-1:]
         logits = self.ops.linear(self.model.norm(x), self.head_weight)  # [T, V] (this rank's V alone)
-        logits = self.shard.gather_last(logits, self.config.vocab_size)  # [T, V]
+        if gather:
+            logits = self.shard.gather_last(logits, self.config.vocab_size)  # [T, V]
         return logits if logits.element_size() >= 4 else logits.float()
+
+    def top_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stable top-k of the whole vocabulary (values [T, k], ids [T, k]: ties by the lower id) from this rank's
+        columns of the logits (a forward with gather=False): what a greedy step needs of a row, merged across the ranks
+        in one small collective (Shard.topk) instead of gathering every rank's columns."""
+        return self.shard.topk(logits, k, self.vocab[0])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings [T, E] of input_ids [T]; under tensor parallelism each rank looks up the ids in its rows,

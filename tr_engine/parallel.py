@@ -8,9 +8,12 @@ are added across ranks: one all-reduce after attention and one after the MLP), a
 vocabulary (a lookup all-reduced; each rank's logits for its own tokens). KV heads go to ranks whole, each with the
 query heads that share it, so a model whose KV heads do not divide by N (SmolLM2: 3) splits them unevenly.
 
-Every rank runs the same decode loop on the same numbers: the logits every rank sees are bit for bit the same (each
-rank's share gathered in rank order), so every rank drafts, accepts and recycles exactly alike, and nothing but the
-activations crosses between ranks; no rank waits for another's decision.
+Every rank runs the same decode loop on the same numbers, rather than rank 0 deciding and broadcasting: the logits
+every rank sees are bit for bit the same (each rank's share gathered in rank order), and so are the merged top-k a
+greedy verify step takes instead of them (Shard.topk), so every rank drafts, accepts and recycles exactly alike and
+holds the same matrix, and nothing but activations and those top-k crosses between ranks. Drafting costs each rank
+a millisecond or so; a broadcast of rank 0's draft would cost every step one more round trip, in which the other
+ranks idle.
 
 Glossary: N ranks (world), r this rank, V vocab; split(n) gives rank r its contiguous share of n items, the first
 n % N ranks one more.
@@ -74,21 +77,22 @@ class Shard:
 
     def topk(self, logits: torch.Tensor, k: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k over the whole vocabulary from each rank's shard of the logits ([T, V_r], this rank's ids
-        start..start+V_r-1): each rank's k best (a stable sort: ties by the lower id), all-gathered, and the k best
-        of those, stably again. The ranks' candidates arrive in rank order, which is id order, so a tie still goes to
-        the lower id: the same ids, in the same order, as a stable top-k of the whole row. Returns (values [T, k],
-        ids [T, k] int64), the same on every rank: what the recycling matrix needs of a row, at k values a rank
-        instead of V_r."""
-        values, ids = logits.sort(dim=-1, descending=True, stable=True)
-        values, ids = values[:, :k].contiguous(), ids[:, :k] + start  # [T, k] each
+        start..start+V_r-1): each rank's stable top-k (stable_topk: ties by the lower id), all-gathered in one
+        collective, and the k best of those, stably again. The ranks' candidates arrive in rank order, which is id
+        order, so a tie still goes to the lower id: the same ids, in the same order, as a stable top-k of the whole
+        row. Returns (values [T, k], ids [T, k] int64), the same on every rank: what greedy acceptance (the first
+        column) and the recycling matrix need of a row, at 2k numbers a rank instead of V_r."""
+        values, ids = stable_topk(logits, k)
+        ids = ids + start
         if self.world == 1:
             return values, ids
-        all_values = [torch.empty_like(values) for _ in range(self.world)]
-        all_ids = [torch.empty_like(ids) for _ in range(self.world)]
+        # one message: values and ids side by side in float64 (exact for any float logits and any id below 2^53)
+        mine = torch.cat([values.double(), ids.double()], dim=1)  # [T, 2k]
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
         with lost_rank():
-            torch.distributed.all_gather(all_values, values)
-            torch.distributed.all_gather(all_ids, ids)
-        values, ids = torch.cat(all_values, dim=1), torch.cat(all_ids, dim=1)  # [T, N*k], rank (= id) order
+            torch.distributed.all_gather(everyone, mine)
+        values = torch.cat([m[:, :k] for m in everyone], dim=1).to(logits.dtype)  # [T, N*k], rank (= id) order
+        ids = torch.cat([m[:, k:] for m in everyone], dim=1).long()
         best = values.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         return values.gather(1, best), ids.gather(1, best)
 
@@ -113,6 +117,27 @@ class Shard:
 
 
 ALONE = Shard()
+
+
+def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of x [T, V] and their ids, best first, ties by the lower id: exactly the first k
+    columns of x.sort(dim=-1, descending=True, stable=True), at the cost of torch.topk (a full stable sort of a
+    row is ~50x slower). torch.topk picks among values tied at the k-th place as it likes, so a row where more than
+    k values reach the k-th takes the lowest ids among the tied ones; then the k are ordered by value, stably over
+    ascending ids."""
+    values, ids = x.topk(k, dim=-1)
+    kth = values[:, -1:]  # [T, 1]
+    tied = ((x >= kth).sum(dim=-1) > k).nonzero()[:, 0]  # rows with more candidates than places
+    if len(tied):
+        y, kth_y = x[tied], kth[tied]
+        above, at = y > kth_y, y == kth_y
+        places = k - above.sum(dim=-1, keepdim=True)  # left for the tied values, given to the lowest ids
+        chosen = above | (at & (at.cumsum(dim=-1) <= places))  # exactly k a row
+        ids[tied] = chosen.nonzero()[:, 1].view(len(tied), k)
+    ids = ids.sort(dim=-1).values
+    values = x.gather(1, ids)
+    order = values.sort(dim=-1, descending=True, stable=True).indices
+    return values.gather(1, order), ids.gather(1, order)
 
 
 def local_config(config: LlamaConfig, shard: Shard) -> LlamaConfig:

@@ -59,19 +59,22 @@ def token_recycling_reference(model: Llama, cache: KVCache, prompt_ids: list[int
     return out[: min(stop, max_new_tokens)]
 
 
-def verify(model: Llama, cache: KVCache, draft: Draft) -> torch.Tensor:
+def verify(model: Llama, cache: KVCache, draft: Draft, gather: bool = True) -> torch.Tensor:
     """One forward over the root and all draft nodes with tree attention; positions = L + depth.
-    Their K/V land in slots L..L+n. Returns logits [n+1, V]."""
+    Their K/V land in slots L..L+n. Returns logits [n+1, V] (this rank's columns alone under tensor parallelism
+    without `gather`)."""
     L = cache.length
     positions = L + draft.tree.depth  # [n+1]
-    return model(draft.tokens, positions, cache.data, L, tree_mask=draft.tree.mask if draft.tree.size > 1 else None)
+    return model(draft.tokens, positions, cache.data, L, tree_mask=draft.tree.mask if draft.tree.size > 1 else None,
+                 gather=gather)
 
 
-def accept(draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Greedy acceptance: from the root, descend to the child whose token equals the model's argmax at the current
-    node, while one exists (ties between identical siblings go to the lower rank). Returns the accepted node indices
-    and the committed tokens: the accepted drafts plus the bonus token (the argmax at the last accepted node)."""
-    predicted, tokens = torch.stack([logits.argmax(dim=-1), draft.tokens]).tolist()  # the step's one host sync
+def accept(draft: Draft, predicted: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Greedy acceptance, given the model's choice at every node (predicted [n+1]: the argmax of its logits): from
+    the root, descend to the child whose token equals the choice at the current node, while one exists (ties between
+    identical siblings go to the lower rank). Returns the accepted node indices and the committed tokens: the
+    accepted drafts plus the bonus token (the choice at the last accepted node)."""
+    predicted, tokens = torch.stack([predicted, draft.tokens]).tolist()  # the step's one host sync
     path, node = [], 0
     while True:
         child = next((c for c in draft.tree.children[node] if tokens[c] == predicted[node]), None)
@@ -182,21 +185,30 @@ def speculative_steps(
     yield list(out)
     history, accept_lengths, verify_tokens, clock = list(context_ids) + out, [], [], PhaseClock()
     finished = out[0] in eos_ids or max_new_tokens == 1
+    # Greedy under tensor parallelism, a step needs of each node's logits only its top-k over the whole vocabulary
+    # (the first for acceptance, all k for recycling): merged from the ranks' columns, not gathered whole.
+    sharded = sampler is None and model.shard.world > 1 and hasattr(drafter, "recycle_top")
     while not finished:
         with torch.inference_mode():
             clock.start()
             draft = fits(drafter.propose(history), cache)
             clock.lap("retrieve")
-            logits = verify(model, cache, draft)
-            clock.lap("verify")
-            if sampler is None:
-                path, committed = accept(draft, logits)
+            if sharded:
+                top_values, top_ids = model.top_k(verify(model, cache, draft, gather=False), drafter.top_k)
             else:
+                logits = verify(model, cache, draft)
+            clock.lap("verify")
+            if sampler is not None:
                 path, committed = accept_sampled(draft, logits, sampler, len(out))
+            else:
+                path, committed = accept(draft, top_ids[:, 0] if sharded else logits.argmax(dim=-1))
             clock.lap("accept")
             compact(cache, path, ops)
             drafter.learn(draft, committed, clock.lap("compact"))  # (the adaptive tree's statistics and step times)
-            drafter.recycle(draft, logits)
+            if sharded:
+                drafter.recycle_top(draft, top_values, top_ids)
+            else:
+                drafter.recycle(draft, logits)
             clock.lap("recycle")
         committed, finished = stop(committed, len(out), max_new_tokens, eos_ids)
         out += committed
