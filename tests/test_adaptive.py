@@ -278,8 +278,9 @@ def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, t
     again = Engine.from_pretrained(str(folder), dtype="float64", max_context=512, tree="adaptive", ops="reference")
     assert again.generate(prompt, 40, method="tr").token_ids == ar.token_ids
     assert cost_path(tmp_path, cost_key(folder.name, torch.float64, torch.device("cpu"), "reference")) == saved[0]
-    # a --tp run's steps pay collectives too: it measures a curve of its own rather than take this one
-    assert cost_path(tmp_path, cost_key(folder.name, torch.float64, torch.device("cpu"), "reference", tp=2)) != saved[0]
+    # a --tp run's steps pay collectives too, and CUDA graphs change a step's cost: each keeps a curve of its own
+    assert len({cost_path(tmp_path, cost_key(folder.name, torch.float64, torch.device("cpu"), "reference", graphs, tp))
+                for graphs in (False, True) for tp in (1, 2)} - {saved[0]}) == 3
     engine.save_matrix(tmp_path / "m.pt")  # the matrix travels with its confidences (the adaptive tree reads them)
     again.load_matrix(tmp_path / "m.pt")
     assert engine.matrix.confidence.any() and torch.equal(again.matrix.confidence, engine.matrix.confidence)

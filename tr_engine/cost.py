@@ -197,5 +197,6 @@ def kernels_build() -> str:
 
 def cost_path(home: Path, key: dict) -> Path:
     safe = lambda s: "".join(c if c.isalnum() or c in "-._" else "_" for c in str(s))  # noqa: E731
-    name = f"{key['model']}-{key['dtype']}-{key['device']}-t{key['threads']}-{key['ops']}.json"
+    variant = ("-graphs" if key.get("cuda_graphs") else "") + (f"-tp{key['tp']}" if key.get("tp", 1) > 1 else "")
+    name = f"{key['model']}-{key['dtype']}-{key['device']}-t{key['threads']}-{key['ops']}{variant}.json"
     return home / "costs" / safe(name)
