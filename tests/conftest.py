@@ -3,6 +3,7 @@ before pytest runs, or here on first use), and Hugging Face `transformers` as th
 
 import os
 import signal
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -71,6 +72,27 @@ def smollm2(smollm2_dir):
     from tr_engine.engine import Engine
 
     return Engine.from_pretrained(str(smollm2_dir), dtype="float32", max_context=1024)
+
+
+class DevAnswer(NamedTuple):
+    question: str  # its question_id
+    prompt: str  # its first turn
+    tokens: int  # new tokens asked for
+    ids: list[int]  # SmolLM2 fp32's plain greedy answer
+
+
+@pytest.fixture(scope="session")
+def smollm2_dev_answers(smollm2) -> list[DevAnswer]:
+    """SmolLM2 fp32's plain greedy answers (32 new tokens) to the dev subset's first turns (tests/data/dev_subset.jsonl:
+    one question per category group of shared/data/spec_bench_dev.jsonl): the reference that the tests hold TR's
+    kernels and references and tensor parallelism to, decoded once."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "dev_subset.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    return [DevAnswer(r["question_id"], r["turns"][0], 32,
+                      smollm2.generate(r["turns"][0], max_new_tokens=32, method="ar").token_ids) for r in rows]
 
 
 @pytest.fixture(scope="session", params=["bfloat16", "float16"])

@@ -183,6 +183,34 @@ def test_within_a_tp2_run_every_method_emits_plain_decodings_tokens(tiny_factory
                                                          for p in PROMPTS]
 
 
+def smollm2_worker(rank: int, world: int, port: int, folder: str, asks: list, out: str) -> None:
+    from tr_engine.engine import Engine
+
+    from tr_engine.cost import CostModel
+
+    joined(rank, world, port)
+    engine = Engine.from_pretrained(folder, dtype="float32", tp=world, max_context=1024)
+    # (the adaptive tree priced by a pinned curve, up to 32 tokens: calibrating a TP=2 curve would double the time)
+    drafter = engine.new_drafter("hybrid", "adaptive", cost=CostModel.flat(32), max_tokens=32)
+    answers = [engine.generate(prompt, tokens, drafter=drafter).token_ids for prompt, tokens in asks]
+    torch.save(answers, f"{out}.{rank}")
+    finish()
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_at_tp2_answers_the_dev_subset_as_one_process_does(smollm2_dir, smollm2_dev_answers, tmp_path):
+    """The real model split in two (3 KV heads: 2 on rank 0, 1 on rank 1), hybrid drafting (its merged top-k, its
+    adaptive tree on the two ranks' agreed step times): each dev-subset answer equals one process's plain greedy
+    decoding, token for token. A float32 sum in another order could flip a near-tie; none does here."""
+    out = tmp_path / "answers"
+    spawn(smollm2_worker, 2, str(smollm2_dir), [(a.prompt, a.tokens) for a in smollm2_dev_answers], str(out))
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert ranks[0] == ranks[1]
+    same = [got == a.ids for got, a in zip(ranks[0], smollm2_dev_answers)]
+    differ = [a.question for a, ok in zip(smollm2_dev_answers, same) if not ok]
+    assert not differ, f"{sum(same)}/{len(same)} answers equal TP=1's; these differ: {differ}"
+
+
 def test_torchrun_runs_the_generate_command_and_rank_0_alone_answers(tiny_factory):
     import json
     import subprocess

@@ -252,24 +252,17 @@ def test_generate_command_methods_agree_and_matrix_round_trips(tiny_factory, tmp
 
 
 @pytest.mark.slow
-def test_smollm2_fp32_kernels_references_and_ar_agree_on_the_dev_subset(smollm2, smollm2_dir):
-    """One first turn per category group of the dev split (tests/data/dev_subset.jsonl, taken from
-    shared/data/spec_bench_dev.jsonl): TR through the compiled kernels, TR through the pure-PyTorch references, and
-    plain greedy decoding emit the same tokens (the references, slow, on every other turn: the op-contract tests hold
-    each op to its reference on its own)."""
+def test_smollm2_fp32_kernels_references_and_ar_agree_on_the_dev_subset(smollm2, smollm2_dir, smollm2_dev_answers):
+    """One first turn per category group of the dev split: TR through the compiled kernels, TR through the
+    pure-PyTorch references, and plain greedy decoding emit the same tokens (the references, slow, on every other
+    turn: the op-contract tests hold each op to its reference on its own)."""
     from tr_engine.engine import Engine
 
     reference_engine = Engine.from_pretrained(str(smollm2_dir), dtype="float32", max_context=1024, ops="reference")
-    rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "dev_subset.jsonl").read_text().splitlines()]
-    assert len(rows) == 6
-    for i, row in enumerate(rows):
-        prompt = row["turns"][0]
-        ar = smollm2.generate(prompt, max_new_tokens=32, method="ar").token_ids
-        tr_kernels = smollm2.generate(prompt, max_new_tokens=32, method="tr").token_ids
-        assert tr_kernels == ar, row["question_id"]
+    for i, (question, prompt, tokens, ar) in enumerate(smollm2_dev_answers):
+        assert smollm2.generate(prompt, max_new_tokens=tokens, method="tr").token_ids == ar, question
         if i % 2 == 0:
-            tr_reference = reference_engine.generate(prompt, max_new_tokens=32, method="tr").token_ids
-            assert tr_reference == ar, row["question_id"]
+            assert reference_engine.generate(prompt, max_new_tokens=tokens, method="tr").token_ids == ar, question
 
 
 def test_truncate_tree_keeps_a_prefix_that_is_a_tree():
