@@ -217,11 +217,15 @@ SAMPLES = 5000
 
 
 def tree_samples(model, sampling, prompt, n=SAMPLES) -> tuple[dict[tuple, int], float]:
-    """Counts of the first three tokens over n seeded runs of Token Recycling with the paper's tree, hot matrix."""
+    """Counts of the first three tokens over n seeded runs of Token Recycling with the paper's tree, hot matrix.
+    The runs share one cache, as a chat's turns do: each prefills the prompt's last token only."""
     d = make_drafter("tr", model.config.vocab_size)
+    model.set_max_positions(512)
+    cache = KVCache(model.config, 512, torch.float64, "cpu")
     counts, steps, tokens = {}, 0, 0
     for seed in range(n):
-        gen = run(model, d, prompt, 3, sampling, seed=10_000 + seed)
+        cache.length = min(cache.length, len(prompt) - 1)  # the prompt but its last token, cached
+        gen = speculative_generate(model, cache, prompt, d, 3, (), model.ops, None, Sampler(sampling, 10_000 + seed))
         key = tuple(gen.token_ids)
         counts[key] = counts.get(key, 0) + 1
         steps, tokens = steps + gen.steps, tokens + len(gen.token_ids) - 1

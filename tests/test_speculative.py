@@ -1,9 +1,6 @@
 """Token Recycling and prompt lookup emit exactly plain greedy decoding's tokens (float64 tiny model), and the
 loop's pieces do what the paper says on hand-made inputs."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -254,15 +251,18 @@ def test_generate_command_methods_agree_and_matrix_round_trips(tiny_factory, tmp
 @pytest.mark.slow
 def test_smollm2_fp32_kernels_references_and_ar_agree_on_the_dev_subset(smollm2, smollm2_dir, smollm2_dev_answers):
     """One first turn per category group of the dev split: TR through the compiled kernels, TR through the
-    pure-PyTorch references, and plain greedy decoding emit the same tokens (the references, slow, on every other
-    turn: the op-contract tests hold each op to its reference on its own)."""
+    pure-PyTorch references, and plain greedy decoding emit the same tokens. The references are slow: they run every
+    other turn, with trees of up to 8 tokens priced by a pinned curve (measuring one for these ops took 30 s); the
+    op-contract tests hold each op to its reference on its own."""
     from tr_engine.engine import Engine
 
     reference_engine = Engine.from_pretrained(str(smollm2_dir), dtype="float32", max_context=1024, ops="reference")
+    on_references = reference_engine.new_drafter("tr", "adaptive", cost=CostModel.flat(8), max_tokens=8)
     for i, (question, prompt, tokens, ar) in enumerate(smollm2_dev_answers):
         assert smollm2.generate(prompt, max_new_tokens=tokens, method="tr").token_ids == ar, question
         if i % 2 == 0:
-            assert reference_engine.generate(prompt, max_new_tokens=tokens, method="tr").token_ids == ar, question
+            got = reference_engine.generate(prompt, max_new_tokens=tokens, drafter=on_references)
+            assert got.token_ids == ar, question
 
 
 def test_truncate_tree_keeps_a_prefix_that_is_a_tree():

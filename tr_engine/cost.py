@@ -40,7 +40,7 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     under tensor parallelism a tree's includes instead the merge of its rows' top-`top_k` across the ranks (what a
     greedy verify step pays: tr_engine/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
     leaves cache.length = 0."""
-    sharded = getattr(model, "shard", None) is not None and model.shard.world > 1
+    sharded = model.shard.world > 1
     g = torch.Generator().manual_seed(0)
     device = cache.data.device
     ids = torch.randint(0, model.config.vocab_size, (prefix + 1,), generator=g).to(device)

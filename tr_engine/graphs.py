@@ -56,6 +56,10 @@ class StepGraphs:
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def shard(self):
+        return self.model.shard  # (always the whole model: the engine refuses CUDA graphs with --tp)
+
     def bucket(self, T: int, start: int) -> int | None:
         """The bucket a step of T tokens at `start` runs in, or None to run it eagerly."""
         b = next((b for b in self.buckets if b >= T), None)
@@ -63,8 +67,8 @@ class StepGraphs:
             return None
         return b
 
-    def __call__(self, input_ids, positions, kv_cache, start, tree_mask=None, last_logits_only=False):
-        T = input_ids.shape[0]
+    def __call__(self, input_ids, positions, kv_cache, start, tree_mask=None, last_logits_only=False, gather=True):
+        T = input_ids.shape[0]  # (`gather`: the model's forward's; one device's logits are whole either way)
         stepping = kv_cache is self.cache.data and not last_logits_only and (tree_mask is not None or T == 1)
         b = self.bucket(T, start) if stepping else None
         if b is None:
