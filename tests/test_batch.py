@@ -144,7 +144,7 @@ def test_stream_batch_yields_each_requests_text(tiny64):
 def test_smollm2_a_batch_of_8_dev_questions_is_plain_decoding_alone(smollm2_dir, dtype, request):
     """The dev split's subset (one first turn per category group) and two repeats (so several sequences write the
     same matrix rows in a step), 8 requests through 4 slots: every request's tokens are its plain decoding alone, for
-    tr, hybrid and pld (fp32: hybrid), greedy and (hybrid) seeded sampling."""
+    tr, hybrid and pld, greedy, and hybrid's seeded sampling (fp32: hybrid, greedy)."""
     import json
     from pathlib import Path
 
@@ -162,10 +162,11 @@ def test_smollm2_a_batch_of_8_dev_questions_is_plain_decoding_alone(smollm2_dir,
     for method in ("tr", "hybrid", "pld") if dtype == "bfloat16" else ("hybrid",):
         got = engine.generate_batch(prompts, max_new_tokens=24, method=method)
         assert [r.token_ids for r in got] == want, method
-    sampled = [engine.generate(p, max_new_tokens=24, method="ar", temperature=0.7, seed=7 + i).token_ids
-               for i, p in enumerate(prompts)]
-    got = engine.generate_batch(prompts, max_new_tokens=24, method="hybrid", temperature=0.7, seed=7)
-    assert [r.token_ids for r in got] == sampled
+    if dtype == "bfloat16":  # seeded sampling in the hard case
+        sampled = [engine.generate(p, max_new_tokens=24, method="ar", temperature=0.7, seed=7 + i).token_ids
+                   for i, p in enumerate(prompts)]
+        got = engine.generate_batch(prompts, max_new_tokens=24, method="hybrid", temperature=0.7, seed=7)
+        assert [r.token_ids for r in got] == sampled
 
 
 def test_a_batch_stopped_midway_gives_its_slots_back(tiny64):

@@ -203,10 +203,10 @@ def test_smollm2_fp32_at_tp2_answers_the_dev_subset_as_one_process_does(smollm2_
     adaptive tree on the two ranks' agreed step times): each dev-subset answer equals one process's plain greedy
     decoding, token for token. A float32 sum in another order could flip a near-tie; none does here."""
     out = tmp_path / "answers"
-    spawn(smollm2_worker, 2, str(smollm2_dir), [(a.prompt, a.tokens) for a in smollm2_dev_answers], str(out))
+    spawn(smollm2_worker, 2, str(smollm2_dir), [(a.prompt, 24) for a in smollm2_dev_answers], str(out))
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     assert ranks[0] == ranks[1]
-    same = [got == a.ids for got, a in zip(ranks[0], smollm2_dev_answers)]
+    same = [got == a.ids[:24] for got, a in zip(ranks[0], smollm2_dev_answers)]  # (greedy: the first 24 tokens)
     differ = [a.question for a, ok in zip(smollm2_dev_answers, same) if not ok]
     assert not differ, f"{sum(same)}/{len(same)} answers equal TP=1's; these differ: {differ}"
 
