@@ -15,19 +15,27 @@ machine.json and PNG plots under --out. `--questions humaneval` runs HumanEval's
 
 With --temperature > 0 every method samples, each turn with the same seed for every method: the baseline is plain
 sampling, and a lossless method draws the same tokens from the same numbers (tr_engine/sampling.py).
+
+With --tp N the model is split across N ranks (tr_engine/parallel.py), launched as the engine's commands are:
+
+    torchrun --nproc-per-node 2 -m bench.specbench --tp 2 --model vicuna-13b --device cuda --dtype float16
+
+Every rank runs every method; rank 0 alone writes the results and prints. The hf-* peers run on one device only.
 """
 
+import io
 import json
 import math
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from bench.machine import machine_info, machine_line
 from tr_engine.cli import ArgumentParser, run
-from tr_engine.cli_args import add_sampling_args, sampling_from_args
+from tr_engine.cli_args import add_sampling_args, integer, sampling_from_args
 from tr_engine.cost import CostModel
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
@@ -125,7 +133,8 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
         "tokens per verify (a flat cost curve), like the static tree. MAT = tokens committed per "
         "decode step, bonus token included. hf-*: transformers' `generate` (prefill counted in its decode seconds), "
         f"hf-pld with prompt_lookup_num_tokens={HF_PLD_TOKENS}.",
-        f"Machine: {machine_line(info)}.",
+        f"Machine: {machine_line(info)}" + (f"; the model split over {args.tp} ranks (--tp)."
+                                             if getattr(args, "tp", 1) > 1 else "."),
         "",
         f"Speedup over our own {baseline} (wall clock, prefill included; geo-mean: the geometric mean over the "
         "category groups):",
@@ -309,7 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=["ar", "tr", "pld"], help=f"any of {', '.join(METHODS)}")
     ap.add_argument("--cold", action="store_true", help="tr from an empty matrix each question (runs as tr-cold)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: 2, or the usable "
+                    "CPUs shared among --tp ranks)")
     ap.add_argument("--max-context", type=int, default=None, help="KV-cache capacity (default: the engine's)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--limit", type=int, default=None, help="first N questions only")
@@ -318,6 +328,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="questions run by tr before measuring (hot start)")
     ap.add_argument("--tree", default="2.2.2")
     ap.add_argument("--matrix-k", type=int, default=8, help="candidates per token in the recycling matrix")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+    ap.add_argument("--tp", type=integer(1), default=1, metavar="N",
+                    help="tensor parallelism over N ranks, launched with torchrun --nproc-per-node N (module doc)")
     add_sampling_args(ap)
     ap.add_argument("--out", type=Path, default=Path("bench/out/specbench"))
     ap.add_argument("--from-results", action="store_true",
@@ -346,12 +359,19 @@ def main(argv=None) -> int:
         ap.error(str(e))
     if not sampling.greedy and any(m.startswith("hf-") for m in args.methods):
         ap.error("the hf-* peers run greedy only; drop them when sampling (--temperature > 0)")
+    if args.tp > 1 and any(m.startswith("hf-") for m in args.methods):
+        ap.error("the hf-* peers run in one process; drop them with --tp")
     seed = 0 if args.seed is None else args.seed
     turn_seed = lambda i, turn: None if sampling.greedy else seed * 1_000_003 + 16 * i + turn  # noqa: E731
+    from tr_engine.checks import usable_cpus
+
+    if args.threads is None:
+        args.threads = 2 if args.tp == 1 else max(1, usable_cpus() // args.tp)
     torch.set_num_threads(args.threads)
     info = machine_info()  # before the run: the commit that produced the numbers
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_context=args.max_context, tree=args.tree,
-                                    matrix_k=args.matrix_k)
+    engine = Engine.from_pretrained(args.model, args.device, args.dtype, max_context=args.max_context, tree=args.tree,
+                                    matrix_k=args.matrix_k, tp=args.tp)
+    writes = engine.model.shard.rank == 0  # under --tp every rank decodes; rank 0 writes and prints
     peer = None
     if any(m.startswith("hf-") for m in args.methods):
         peer = HFPeer(engine.folder, engine.model.dtype, engine.tokenizer.eos_ids)
@@ -362,11 +382,13 @@ def main(argv=None) -> int:
         for m in (m for m in args.methods if m in HOT):
             run_method(engine, None, m, [{"role": "user", "content": q["turns"][0]}], args.max_new_tokens, drafters,
                        sampling, turn_seed(-1 - i, 0))
-    args.out.mkdir(parents=True, exist_ok=True)
+    if writes:
+        args.out.mkdir(parents=True, exist_ok=True)
     records = []
     from tqdm import tqdm
 
-    with open(args.out / "results.jsonl", "w") as f, tqdm(questions, unit="question", file=sys.stderr) as bar:
+    results = open(args.out / "results.jsonl", "w") if writes else nullcontext(io.StringIO())
+    with results as f, tqdm(questions, unit="question", file=sys.stderr, disable=not writes) as bar:
         for i, q in enumerate(bar):
             conversations = {m: [] for m in args.methods}  # each method continues its own conversation
             for turn, text in enumerate(q["turns"]):
@@ -388,6 +410,8 @@ def main(argv=None) -> int:
             bar.set_postfix_str("  ".join(
                 f"{m} {sum(r['new_tokens'] for r in done if r['method'] == m) / sum(r['prefill_s'] + r['decode_s'] for r in done if r['method'] == m):.1f}t/s"
                 for m in args.methods))
+    if not writes:
+        return 0
     text = write_summary(args.out, summarize(records, args.methods), records, args.methods, args, info)
     (args.out / "machine.json").write_text(json.dumps(info, indent=2) + "\n")
     (args.out / "run.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v

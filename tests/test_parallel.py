@@ -230,6 +230,28 @@ def test_torchrun_runs_the_generate_command_and_rank_0_alone_answers(tiny_factor
     assert json.loads(lines[0])["token_ids"] == alone.generate("the cat sat on the mat", 24).token_ids
 
 
+def test_torchrun_runs_the_benchmark_and_rank_0_alone_writes_it(tiny_factory, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    folder = str(tiny_factory("tp-methods", num_heads=6, num_kv_heads=3, vocab_size=301))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["the cat sat on the mat, the cat",
+                                                                                   "and then?"]}) + "\n")
+    out = tmp_path / "out"
+    tp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                         str(free_port()), "-m", "bench.specbench", "--tp", "2", "--model", folder, "--dtype",
+                         "float32", "--questions", str(questions), "--methods", "tr", "hybrid", "--max-new-tokens",
+                         "16", "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert tp.returncode == 0, tp.stderr
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["turn"], r["method"]) for r in records] == [(t, m) for t in (0, 1) for m in ("ar", "tr", "hybrid")]
+    assert all(r["identical"] for r in records) and any(r["steps"] < r["new_tokens"] - 1 for r in records)
+    summary = (out / "summary.md").read_text()
+    assert "split over 2 ranks" in summary and tp.stdout.count(summary.splitlines()[0]) == 1  # printed by rank 0
+
+
 def test_a_killed_rank_ends_the_run_with_one_line_on_rank_0(tiny_factory):
     """Started as torchrun starts ranks (its environment variables), rank 1 killed mid-answer: rank 0 stops within
     the timeout with one line naming the cause, instead of hanging in its next all-reduce."""
