@@ -75,6 +75,23 @@ def copy_bandwidth(device: str = "cpu", n_bytes: int | None = None, reps: int = 
     return 2 * n_bytes / statistics.median(times) / 1e9
 
 
+def read_bandwidth(n_bytes: int = 2**30, reps: int = 7) -> float:
+    """This CPU's streaming read bandwidth in GB/s: the median of timed sums of a float32 buffer far bigger than the
+    caches (a sum reads every byte once and writes nothing, as a decode step reads its weights), on the threads
+    torch uses. Bytes of weights / this = the fastest a memory-bound decode step can be."""
+    import statistics
+    import time
+
+    x = torch.ones(n_bytes // 4)
+    times = []
+    for i in range(reps + 2):  # two warm-up passes
+        t0 = time.perf_counter()
+        x.sum()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return n_bytes / statistics.median(times) / 1e9
+
+
 def rss_kb(pid: int | str = "self") -> int:
     """A process's resident memory (VmRSS), in KiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -31,11 +31,12 @@ def rss_mb() -> float:
 def worker(rank: int, world: int, port: int, args: dict, prompts: list[str], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    from bench.shapes import held_bytes
     from tr_engine.engine import Engine
 
     engine = Engine.from_pretrained(args["model"], dtype=args["dtype"], tp=world, threads=1, max_context=1024)
     loaded = rss_mb()
-    weights = sum(t.numel() * t.element_size() for t in _tensors(engine.model))
+    weights = held_bytes(engine.model)
     row = {"rank": rank, "rss_mb_loaded": loaded, "weights_mb": weights / 2**20}
     for method in ("ar", "hybrid"):
         engine.generate(prompts[0], 8, method=method)  # warm (and the adaptive tree's curve measured)
@@ -52,17 +53,6 @@ def worker(rank: int, world: int, port: int, args: dict, prompts: list[str], out
 
         leave()
         os._exit(0)
-
-
-def _tensors(model):
-    """Every distinct tensor the model holds for its weights (packed copies included; a tied head once)."""
-    seen = {}
-    for t in list(model.state_dict().values()) + [w for layer in model.model.layers for w in (
-            layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)] \
-            + [model.head_weight]:
-        x = getattr(t, "data", t)  # a PackedWeight's packed tensor
-        seen[x.data_ptr()] = x
-    return seen.values()
 
 
 def run(args, prompts: list[str]) -> dict:

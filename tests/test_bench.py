@@ -166,3 +166,18 @@ def test_serve_bench_and_its_soak_on_a_tiny_model(tiny_factory, tmp_path):
     soak = json.loads((tmp_path / "serve_soak.json").read_text())
     assert soak["failed"] == 0 and soak["exit_status"] == 0 and soak["matrix_loads"] is True, soak
     assert "verdict:" in (tmp_path / "serve_soak.md").read_text()
+
+
+def test_forward_cost_at_a_shape_stands_the_step_against_its_floor_and_projects(tmp_path):
+    """--shape builds a random model in memory (the tiny stand-in here; vicuna-7b in bench/results), measures the
+    read bandwidth in the same run, and projects MAT(T) / cost(T) from bench/results/tree_mat.json."""
+    proc = run_module("bench.forward_cost", "--shape", "tiny", "--reps", "1", "--prefixes", "64", "--threads", "1",
+                      "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads((tmp_path / "forward_cost_tiny_bfloat16.json").read_text())
+    assert got["read_gb_s"] > 0 and got["floor_s"] == pytest.approx(got["step_weight_bytes"] / got["read_gb_s"] / 1e9)
+    assert got["relative"]["64"]["1"] == 1.0 and set(got["relative"]["64"]) >= {"8", "16", "64"}
+    tr = got["projection"]["methods"]["tr"]
+    for T, row in tr.items():
+        assert row["speedup"] == pytest.approx(row["mat"] / got["relative"]["64"][T])
+    assert "Projected speedup" in (tmp_path / "forward_cost_tiny_bfloat16.md").read_text()
