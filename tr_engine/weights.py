@@ -120,6 +120,9 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
+    # The model holds the tensors now; the dict must let go of them before fuse_ and pack_ replace each layer's
+    # weights, or every replaced tensor would stay alive beside its replacement (twice the weights at the peak).
+    del state
     return _ready(model, dtype, device)
 
 
