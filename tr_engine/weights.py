@@ -103,7 +103,9 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
                     else:  # this rank's rows or columns, read alone
                         dim, a, b = part
                         tensor = f.get_slice(key)[a:b] if dim == 0 else f.get_slice(key)[:, a:b]
-                    state[key] = tensor.to(device=device, dtype=dtype)
+                    # (a copy even where nothing is cast: a view of the file's mapping would keep every page of
+                    # the file resident for as long as the model lives)
+                    state[key] = tensor.to(device=device, dtype=dtype, copy=True)
         except SafetensorError as e:
             raise WeightsError(f"{path} is corrupt or truncated ({e}); download or convert it again")
         except OSError as e:
