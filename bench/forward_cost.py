@@ -100,7 +100,7 @@ def shape_run(args, dtype: str, info: dict) -> list[str]:
 
     config, dt = SHAPES[args.shape], getattr(torch, dtype)
     sizes, prefixes = SHAPE_TREE_TOKENS, args.prefixes or SHAPE_PREFIXES
-    copy_gb_s = copy_bandwidth("cpu", 2**30, 5)
+    copy_gb_s = copy_bandwidth("cpu", 2**28, 5)
     before, t0 = rss_kb(), time.perf_counter()
     model = random_model(config, dt)
     built_s, held, rss_gb = time.perf_counter() - t0, held_bytes(model), (rss_kb() - before) * 1024 / 1e9
@@ -123,8 +123,9 @@ def shape_run(args, dtype: str, info: dict) -> list[str]:
              f"{rss_gb:.2f} GB = {rss_gb * 1e9 / held:.2f}x the weights). Median of {args.reps} forwards per size, "
              "sizes in alternation; breadth-first 4-ary trees.", "",
              f"A plain step reads {step_bytes / 1e9:.2f} GB of weights; its floor is that over this machine's "
-             "streaming read bandwidth (a float32 sum of 1 GiB), which swings by tens of percent within minutes "
-             "here, so each step is timed right after a bandwidth reading, 5 times in alternation (median of 3 "
+             "streaming read bandwidth (a float32 sum of 256 MiB, more than any cache here), which swings by tens "
+             "of percent within minutes here, so each step is timed right after a bandwidth reading, 5 times in "
+             "alternation (median of 3 "
              f"steps each), and held to the floor of its moment. Copying ran at {copy_gb_s:.1f} GB/s (read + "
              "written).", "",
              "| prefix | read GB/s (5 readings) | plain step ms | floor ms | floor / step (median) |",

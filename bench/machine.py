@@ -75,7 +75,7 @@ def copy_bandwidth(device: str = "cpu", n_bytes: int | None = None, reps: int = 
     return 2 * n_bytes / statistics.median(times) / 1e9
 
 
-def read_bandwidth(n_bytes: int = 2**30, reps: int = 7) -> float:
+def read_bandwidth(n_bytes: int = 2**28, reps: int = 7) -> float:
     """This CPU's streaming read bandwidth in GB/s: the median of timed sums of a float32 buffer far bigger than the
     caches (a sum reads every byte once and writes nothing, as a decode step reads its weights), on the threads
     torch uses. Bytes of weights / this = the fastest a memory-bound decode step can be."""
