@@ -97,6 +97,28 @@ def test_truncated_safetensors(folder):
     one_line_error(lambda: load_model(folder), "corrupt or truncated", "download or convert it again")
 
 
+def broken_header(raw: bytes, how: str) -> bytes:
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    if how == "header length":
+        return (len(raw) * 2).to_bytes(8, "little") + raw[8:]
+    if how == "header json":
+        return raw[:8] + b"{" * n + raw[8 + n :]
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"][1] -= 2  # its bytes no longer fit its shape
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + raw[8 + n :]
+
+
+@pytest.mark.parametrize("how", ["header length", "header json", "bytes against shape"])
+def test_a_safetensors_file_broken_inside_is_one_line(folder, how):
+    """The reader (weights.SafetensorsFile, plain reads, no mapping) checks what it reads: each inconsistency is
+    the one-line corrupt-or-truncated error, never a traceback or a tensor of garbage."""
+    path = folder / "model.safetensors"
+    path.write_bytes(broken_header(path.read_bytes(), how))
+    one_line_error(lambda: load_model(folder), str(path), "corrupt or truncated", "download or convert it again")
+
+
 def test_unsupported_hidden_act(folder):
     config = json.loads((folder / "config.json").read_text())
     config["hidden_act"] = "gelu"
@@ -193,10 +215,10 @@ print(held_bytes(model), (kb("VmRSS") - before) * 1024, (kb("VmHWM") - before) *
 
 
 def test_loading_holds_the_weights_once(tiny_factory, tmp_path):
-    """A bf16 checkpoint loaded as bf16 (nothing to cast, so a tensor could stay a view of the file's mapping):
-    afterwards the process holds the packed weights and little else (a view kept the whole file resident beside
-    them: 2.1x), and at the peak the plain weights are not kept beside their fused and packed replacements (3.2x
-    when they were). The file's pages count while it is read, so the peak is still ~2.2x: not yet 1.1x."""
+    """A bf16 checkpoint loaded as bf16 (nothing to cast): afterwards the process holds the packed weights and
+    little else (a view into safetensors' mapping of the file kept all of it resident beside them: 2.1x), and at no
+    point does it hold the weights twice (the mapped file's pages beside the copies read from it made 2.2x; the
+    plain weights kept beside their fused and packed replacements, 3.2x)."""
     import subprocess
     import sys
 
@@ -209,4 +231,4 @@ def test_loading_holds_the_weights_once(tiny_factory, tmp_path):
     assert proc.returncode == 0, proc.stderr
     held, grown, peak = map(int, proc.stdout.split())
     assert held > 90e6
-    assert grown < 1.25 * held and peak < 2.6 * held, (held, grown, peak)
+    assert grown < 1.25 * held and peak < 1.5 * held, (held, grown, peak)

@@ -1,15 +1,17 @@
 """Loads a Hugging Face model folder's safetensors into the hand-written Llama, strictly.
 
 Single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`) folders. The model is built on the
-`meta` device and each tensor is cast to the requested dtype as it is read, so a model loads in about one model's
-worth of memory. Every missing, unexpected or mis-shaped key is an error that names it.
+`meta` device and each tensor is read on its own (SafetensorsFile: plain reads, no memory map) and cast to the
+requested dtype as it is read, then fused and packed layer by layer, so a model loads in about one model's worth of
+memory at every point (tests/test_weights.py measures it). Every missing, unexpected or mis-shaped key is an error
+that names it.
 """
 
 import json
+import os
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from tr_engine.config import LlamaConfig
 from tr_engine.errors import UserError, WeightsError
@@ -34,6 +36,95 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if not isinstance(name, str) or name not in DTYPES:
         raise UserError(f"unknown dtype {name!r}; choose one of float32, bfloat16, float16, float64")
     return DTYPES[name]
+
+
+STORED = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+class SafetensorsFile:
+    """One safetensors file, read tensor by tensor with plain reads into fresh buffers. The format is an 8-byte
+    little-endian header length, a JSON header ({name: {dtype, shape, data_offsets}}, data_offsets relative to the
+    end of the header), then the data. Not memory-mapped, unlike safetensors' safe_open: a mapped file's pages count
+    as the process's own once touched, until the mapping goes, so loading through one held the file beside the
+    weights read from it (twice the weights at the peak). Every inconsistency is a WeightsError saying the file is
+    corrupt or truncated."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.file = open(path, "rb")
+        except OSError as e:
+            raise WeightsError(f"{path} cannot be read ({e.strerror or e}); check the file and its permissions")
+        try:
+            size = os.fstat(self.file.fileno()).st_size
+            raw = self.file.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if not 0 < n <= size - 8:
+                self.corrupt("no header")
+            header = json.loads(self.file.read(n))
+            self.data_start = 8 + n
+            self.tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            for key, info in self.tensors.items():
+                begin, end = info["data_offsets"]
+                if not (0 <= begin <= end and self.data_start + end <= size and all(d >= 0 for d in info["shape"])):
+                    self.corrupt(f"{key} lies outside the file")
+        except (ValueError, KeyError, TypeError) as e:  # (json.JSONDecodeError and UnicodeDecodeError included)
+            self.close()
+            self.corrupt(f"bad header: {e}")
+        except WeightsError:
+            self.close()
+            raise
+
+    def corrupt(self, why: str):
+        raise WeightsError(f"{self.path} is corrupt or truncated ({why}); download or convert it again")
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def dtype(self, key: str) -> str:
+        return self.tensors[key]["dtype"]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key]["shape"])
+
+    def read(self, key: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """Tensor `key` in its stored dtype, or only rows (dim 0) or columns (dim 1) start..stop of it: `part` =
+        (dim, start, stop). Rows are read alone; columns are cut from the whole tensor, read one at a time."""
+        info, dtype = self.tensors[key], STORED[self.dtype(key)]
+        shape, (begin, end) = list(info["shape"]), info["data_offsets"]
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * dtype.itemsize != end - begin:
+            self.corrupt(f"{key} holds {end - begin} bytes, its shape {shape} needs {numel * dtype.itemsize}")
+        offset = self.data_start + begin
+        if part is not None and part[0] == 0:
+            row_bytes = (end - begin) // max(shape[0], 1)
+            offset += part[1] * row_bytes
+            shape[0] = part[2] - part[1]
+        tensor = torch.empty(shape, dtype=dtype)
+        if tensor.numel():
+            buffer = tensor.view(-1).view(torch.uint8).numpy()
+            try:
+                self.file.seek(offset)
+                got = self.file.readinto(memoryview(buffer))
+            except OSError as e:
+                raise WeightsError(f"{self.path} cannot be read ({e.strerror or e}); check the file and its "
+                                   "permissions")
+            if got != buffer.nbytes:
+                self.corrupt(f"{key} ends early")
+        if part is not None and part[0] == 1:
+            tensor = tensor[:, part[1] : part[2]].clone()
+        return tensor
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -80,36 +171,26 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
 
     state, unexpected = {}, []
     for path in safetensors_files(folder):
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    if key.endswith(IGNORED_SUFFIXES) or (key == "lm_head.weight" and config.tie_word_embeddings):
-                        continue
-                    if key not in expected:
-                        unexpected.append(key)
-                        continue
-                    stored = f.get_slice(key).get_dtype()
-                    if stored not in WEIGHT_DTYPES:
-                        raise WeightsError(f"{path.name}: weight {key} is stored as {stored}, not as floating point "
-                                           f"({', '.join(WEIGHT_DTYPES)}); a quantized or corrupt checkpoint: "
-                                           "convert it to float16, bfloat16 or float32 first")
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != tuple(expected[key]):
-                        raise WeightsError(f"{path.name}: weight {key} has shape {list(shape)}, the config implies "
-                                           f"{list(expected[key])}; config.json and the weights do not match")
-                    part = next((cut[suffix] for suffix in cut if key.endswith(suffix)), None)
-                    if part is None:
-                        tensor = f.get_tensor(key)
-                    else:  # this rank's rows or columns, read alone
-                        dim, a, b = part
-                        tensor = f.get_slice(key)[a:b] if dim == 0 else f.get_slice(key)[:, a:b]
-                    # (a copy even where nothing is cast: a view of the file's mapping would keep every page of
-                    # the file resident for as long as the model lives)
-                    state[key] = tensor.to(device=device, dtype=dtype, copy=True)
-        except SafetensorError as e:
-            raise WeightsError(f"{path} is corrupt or truncated ({e}); download or convert it again")
-        except OSError as e:
-            raise WeightsError(f"{path} cannot be read ({e.strerror or e}); check the file and its permissions")
+        with SafetensorsFile(path) as f:
+            for key in f.keys():
+                if key.endswith(IGNORED_SUFFIXES) or (key == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                if key not in expected:
+                    unexpected.append(key)
+                    continue
+                stored = f.dtype(key)
+                if stored not in WEIGHT_DTYPES:
+                    raise WeightsError(f"{path.name}: weight {key} is stored as {stored}, not as floating point "
+                                       f"({', '.join(WEIGHT_DTYPES)}); a quantized or corrupt checkpoint: "
+                                       "convert it to float16, bfloat16 or float32 first")
+                shape = f.shape(key)
+                if shape != tuple(expected[key]):
+                    raise WeightsError(f"{path.name}: weight {key} has shape {list(shape)}, the config implies "
+                                       f"{list(expected[key])}; config.json and the weights do not match")
+                # this rank's rows or columns alone under tensor parallelism; cast as read (a fresh buffer: the
+                # file is not mapped, so nothing of it stays resident)
+                part = next((cut[suffix] for suffix in cut if key.endswith(suffix)), None)
+                state[key] = f.read(key, part).to(device=device, dtype=dtype)
     missing = sorted(set(expected) - set(state))
     if missing or unexpected:
         parts = []
