@@ -181,3 +181,16 @@ def test_forward_cost_at_a_shape_stands_the_step_against_its_floor_and_projects(
     for T, row in tr.items():
         assert row["speedup"] == pytest.approx(row["mat"] / got["relative"]["64"][T])
     assert "Projected speedup" in (tmp_path / "forward_cost_tiny_bfloat16.md").read_text()
+
+
+def test_load_memory_writes_a_checkpoint_of_a_shape_loads_it_and_reports(tmp_path):
+    """The harness behind bench/results/load_memory_vicuna-7b.md at the tiny shape (where memory ratios mean
+    nothing: tests/test_weights.py holds loading to its memory at 100 MB)."""
+    proc = run_module("bench.load_memory", "--shape", "tiny", "--stored", "float16", "--scratch", str(tmp_path),
+                      "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads((tmp_path / "out" / "load_memory_tiny.json").read_text())["rows"]["float16"]
+    assert got["checkpoint_bytes"] > 0 and got["held_bytes"] > 0 and got["load_s"] > 0
+    assert got["peak_bytes"] >= got["grown_bytes"]
+    assert "| float16 |" in (tmp_path / "out" / "load_memory_tiny.md").read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the checkpoint and its scratch folder are gone
