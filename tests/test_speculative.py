@@ -196,8 +196,8 @@ def test_smollm2_fp32_methods_emit_the_ar_tokens(smollm2, method):
 @pytest.mark.slow
 def test_smollm2_half_speculative_decoding_is_bitwise_lossless(smollm2_half):
     """In bfloat16 and float16 too: the matmul and attention kernels are row-independent, so a verify row computes
-    exactly what a decode step computes, and every drafter commits plain decoding's tokens, greedy or sampled with a
-    seed. The static 81-node tree puts tree keys at every depth; the second turn reuses a cache that the first turn's
+    exactly what a decode step computes, and every drafter commits plain decoding's tokens, greedy or (bf16)
+    sampled with a seed. The static 81-node tree puts tree keys at every depth; the second turn reuses a cache that the first turn's
     verify steps filled."""
     engine = smollm2_half
     # In fp16, which nothing else here runs and which this CPU computes slowest, the static tree (tree keys at every
