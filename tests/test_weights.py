@@ -197,38 +197,16 @@ def test_random_model_has_the_config_shapes_and_ties_its_head():
     assert torch.equal(again.model.layers[0].self_attn.q_proj.weight, w)  # seeded
 
 
-LOAD_MEMORY = """
-import sys, torch
-from pathlib import Path
-from bench.shapes import held_bytes
-from tr_engine.weights import load_model
-
-def kb(field):
-    return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
-
-torch.set_num_threads(1)
-load_model(sys.argv[2], torch.bfloat16)  # the first load's one-time costs (the kernels' library, first allocations)
-before = kb("VmRSS")
-model = load_model(sys.argv[1], torch.bfloat16)
-print(held_bytes(model), (kb("VmRSS") - before) * 1024, (kb("VmHWM") - before) * 1024)
-"""
-
-
 def test_loading_holds_the_weights_once(tiny_factory, tmp_path):
     """A bf16 checkpoint loaded as bf16 (nothing to cast): afterwards the process holds the packed weights and
     little else (a view into safetensors' mapping of the file kept all of it resident beside them: 2.1x), and at no
     point does it hold the weights twice (the mapped file's pages beside the copies read from it made 2.2x; the
     plain weights kept beside their fused and packed replacements, 3.2x)."""
-    import subprocess
-    import sys
-
+    from bench.load_memory import measure
     from weights_tools.tiny_llama import write_tiny_llama
 
     folder = write_tiny_llama(tmp_path / "m", hidden_size=1024, intermediate_size=2816, num_layers=4, num_heads=8,
                               num_kv_heads=8, dtype=torch.bfloat16, std=0.02)  # ~100 MB of bf16 weights
-    proc = subprocess.run([sys.executable, "-c", LOAD_MEMORY, str(folder), str(tiny_factory())], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    held, grown, peak = map(int, proc.stdout.split())
-    assert held > 90e6
-    assert grown < 1.25 * held and peak < 1.5 * held, (held, grown, peak)
+    got = measure(folder, tiny_factory(), threads=1)  # (a fresh process, as bench/results/load_memory_*.md)
+    assert got["held_bytes"] > 90e6
+    assert got["grown_x"] < 1.25 and got["peak_x"] < 1.5, got

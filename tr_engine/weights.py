@@ -21,9 +21,6 @@ from tr_engine.parallel import ALONE, Shard, slices
 
 # Keys some checkpoints carry that hold no learned weights (old Llama/Vicuna exports save RoPE's inv_freq buffer).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-# What a weight may be stored as (safetensors' names). Integers and bools would be cast and used without a word, and
-# an 8-bit float is meaningless without the scales that quantized checkpoints carry beside it.
-WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
@@ -38,7 +35,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+# What a weight may be stored as (safetensors' names) and what it is read as. Integers and bools would be cast and
+# used without a word, and an 8-bit float is meaningless without the scales that quantized checkpoints carry beside it.
 STORED = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+WEIGHT_DTYPES = tuple(STORED)
 
 
 class SafetensorsFile:
