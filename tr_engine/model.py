@@ -193,7 +193,10 @@ class DecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     def __init__(self, config: LlamaConfig, shard: Shard = ALONE, vocab_rows: int | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_rows or config.vocab_size, config.hidden_size)  # this rank's rows
+        # This rank's rows, left uninitialised: the weights are loaded over them. (A default Embedding draws normal
+        # values, whose meta-device kernel imports torch._dynamo: a second on every start, for nothing.)
+        rows = vocab_rows or config.vocab_size
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, shard) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
