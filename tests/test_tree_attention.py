@@ -77,15 +77,19 @@ def test_half_types_by_the_flash_attention_rule(dtype, T, P):
 
 def test_large_scores_do_not_overflow():
     """Softmax subtracts the row maximum: scores of several hundred stay finite, and as accurate as float32 allows
-    (the rounding of a score of ~500 is what limits both the kernel and the reference)."""
-    q, k, v, g = operands(9, 40, 2, 1, 16, torch.float32)
-    q = q * 60
-    mask = random_tree_mask(9, g)
-    want = truth(q, k, v, 40, mask, 1.0)
-    got = kernels.tree_attention(q, k, v, 40, mask, 1.0)
-    assert torch.isfinite(got).all()
-    ref_err = (reference.tree_attention(q, k, v, 40, mask, 1.0).double() - want).abs().max().item()
-    assert (got.double() - want).abs().max().item() <= 2 * ref_err + 1e-6
+    (the rounding of a score of ~500 is what limits both the kernel and the reference). Over ten draws: one draw's
+    error depends on how its few roundings happen to fall, several times the reference's or a fraction of it."""
+    err = ref_err = 0.0
+    for seed in range(10):
+        q, k, v, g = operands(9, 40, 2, 1, 16, torch.float32, seed=seed)
+        q = q * 60
+        mask = random_tree_mask(9, g)
+        want = truth(q, k, v, 40, mask, 1.0)
+        got = kernels.tree_attention(q, k, v, 40, mask, 1.0)
+        assert torch.isfinite(got).all()
+        err += (got.double() - want).abs().max().item()
+        ref_err += (reference.tree_attention(q, k, v, 40, mask, 1.0).double() - want).abs().max().item()
+    assert err <= 2 * ref_err + 1e-6, (err, ref_err)
 
 
 def test_only_the_visible_keys_matter():

@@ -138,19 +138,45 @@ struct Aligned {
   T* get() const { return ptr.get(); }
 };
 
-// One KV head's keys in Acc, laid out for the score tiles: prefix keys transposed ([D, Pp], Pp = P rounded up to
-// kKeyPad; the padding keys' scores are computed and dropped) and tree keys as rows ([T, D]). Values need no layout
-// change: the tiles read them from the cache where they are.
+// A buffer of at least n elements, kept by the calling thread from one call to the next (grown, never shrunk): a
+// fresh allocation of megabytes each call would page-fault every page of it in again, which costs more than the
+// conversion that fills it. `slot` tells apart the buffers one call needs at once.
+template <typename T>
+T* reused(int64_t n, int slot) {
+  thread_local std::vector<Aligned<T>> buffers;
+  thread_local std::vector<int64_t> capacity;
+  while (static_cast<int64_t>(buffers.size()) <= slot) {
+    buffers.emplace_back(0);
+    capacity.push_back(0);
+  }
+  if (capacity[slot] < n) {
+    buffers[slot] = Aligned<T>(n);
+    capacity[slot] = n;
+  }
+  return buffers[slot].get();
+}
+
+// One KV head's keys in Acc, laid out for the score tiles: prefix keys transposed ([D, ld]; the padding keys' scores
+// are computed and dropped) and tree keys as rows ([T, D]). Values need no layout change: the tiles read them from
+// the cache where they are. Either the whole prefix (ld = P rounded up to kKeyPad), converted once for all the tasks
+// of a head into a reused buffer, or a window of one block of it (ld = kKeyBlock, from slot `base`), converted by a
+// head's only task just before it scores the block: a decode step's keys are then read once from the cache and used
+// while in cache, where a whole head's copy (P x D floats, 16 MB a layer for a 7B model at P = 1024) would go out to
+// memory and back. The values are the same either way (bf16 -> float is exact), so are the scores.
 template <typename Acc>
 struct HeadKeys {
-  int64_t D, P, Pp, T;
-  Aligned<Acc> data;  // uninitialised: fill_keys writes every element that is read
-  Acc* kt() { return data.get(); }
-  Acc* ktree() { return kt() + D * Pp; }
-  HeadKeys(int64_t D, int64_t P, int64_t T) : D(D), P(P), Pp(round_up(P, kKeyPad)), T(T), data(D * Pp + T * D) {}
+  int64_t D, P, ld, T;
+  int64_t base = 0;  // the first prefix slot held
+  Acc* data;  // D * ld + T * D elements, uninitialised: fill_keys writes every element that is read
+  Acc* kt() { return data; }
+  Acc* ktree() { return kt() + D * ld; }
+  const Acc* prefix(int64_t j) { return kt() + (j - base); }  // the column of prefix slot j
+  HeadKeys(int64_t D, int64_t P, int64_t T, int64_t ld, Acc* data) : D(D), P(P), ld(ld), T(T), data(data) {}
+  static int64_t size(int64_t D, int64_t T, int64_t ld) { return D * ld + T * D; }
 };
 
-// Convert the keys of cache slots j0..j1-1 of one head (k points at slot 0; slot_stride elements between slots).
+// Convert the keys of cache slots j0..j1-1 of one head (k points at slot 0; slot_stride elements between slots); the
+// prefix slots among them must lie in b's window.
 template <typename scalar_t, typename Acc>
 void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t j0, int64_t j1) {
   const int64_t D = b.D, P = b.P;
@@ -160,13 +186,13 @@ void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t
   int64_t jb = j0;
   for (; jb + 16 <= prefix_end; jb += 16)
     for (int64_t d = 0; d < D; ++d) {
-      Acc* dst = b.kt() + d * b.Pp + jb;
+      Acc* dst = b.kt() + d * b.ld + (jb - b.base);
       const scalar_t* src = k + jb * slot_stride + d;
 #pragma omp simd
       for (int64_t j = 0; j < 16; ++j) dst[j] = to_float(src[j * slot_stride]);
     }
   for (; jb < prefix_end; ++jb)
-    for (int64_t d = 0; d < D; ++d) b.kt()[d * b.Pp + jb] = to_float(k[jb * slot_stride + d]);
+    for (int64_t d = 0; d < D; ++d) b.kt()[d * b.ld + (jb - b.base)] = to_float(k[jb * slot_stride + d]);
   for (int64_t j = std::max(j0, P); j < j1; ++j)
     for (int64_t d = 0; d < D; ++d) b.ktree()[(j - P) * D + d] = to_float(k[j * slot_stride + d]);
 }
@@ -202,10 +228,11 @@ struct TaskScratch {
 //  - The rest (the prefix tail past the last full block, then tree keys) differs by token: the tail's and the
 //    task's tree keys' scores are computed once for all rows, then each token's rows copy theirs into its blocks.
 template <typename scalar_t, typename Acc, int64_t R>
-void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, HeadKeys<Acc>& b, const scalar_t* v,
-                 int64_t ldv, const bool* mask, const int64_t* tok, const int64_t* qhead,
-                 TaskScratch<scalar_t, Acc>& w, scalar_t* out, int64_t Hq) {
-  const int64_t D = b.D, P = b.P, Pp = b.Pp, T = b.T;
+void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, HeadKeys<Acc>& b, bool windowed,
+                 const scalar_t* k, const scalar_t* v, int64_t ldv, const bool* mask, const int64_t* tok,
+                 const int64_t* qhead, TaskScratch<scalar_t, Acc>& w, scalar_t* out, int64_t Hq) {
+  const int64_t D = b.D, P = b.P, T = b.T;
+  if (windowed) fill_keys(b, k, ldv, P, P + T);  // the tree keys (a window's prefix slots come block by block)
   constexpr int64_t lds = kKeyBlock;
   Acc* qs = w.qs.get();
   for (int64_t r = 0; r < R; ++r) {
@@ -261,7 +288,11 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   // Full blocks of prefix keys: the same keys for every row.
   const int64_t full = P / kKeyBlock * kKeyBlock;
   for (int64_t j0 = 0; j0 < full; j0 += kKeyBlock) {
-    scores_tile<Acc, R>(qs, D, b.kt() + j0, Pp, kKeyBlock, s, lds);
+    if (windowed) {
+      b.base = j0;
+      fill_keys(b, k, ldv, j0, j0 + kKeyBlock);
+    }
+    scores_tile<Acc, R>(qs, D, b.prefix(j0), b.ld, kKeyBlock, s, lds);
     for (int64_t j = 0; j < kKeyBlock; ++j) value_rows[j] = v + (j0 + j) * ldv;
     absorb(0, R, kKeyBlock, kKeyBlock);
   }
@@ -269,7 +300,13 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   const int64_t tail = P - full;
   Acc* s_tail = w.s_tail.get();
   Acc* s_tree = w.s_tree.get();
-  if (tail > 0) scores_tile<Acc, R>(qs, D, b.kt() + full, Pp, round_up(tail, kKeyPad), s_tail, lds);
+  if (tail > 0) {
+    if (windowed) {
+      b.base = full;
+      fill_keys(b, k, ldv, full, P);
+    }
+    scores_tile<Acc, R>(qs, D, b.prefix(full), b.ld, round_up(tail, kKeyPad), s_tail, lds);
+  }
   if (nu > 0) scores_tile<Acc, R>(qs, D, ku, nup, nup, s_tree, ldt);
   auto& own = w.own;
   for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
@@ -303,26 +340,36 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
   const auto* kp = k.data_ptr<scalar_t>();
   const auto* vp = v.data_ptr<scalar_t>();
   const int64_t slot_stride = k.stride(1);
-  // Convert each KV head's keys once; every task of that head reads them.
-  std::vector<HeadKeys<Acc>> heads;
-  heads.reserve(Hkv);
-  for (int64_t h = 0; h < Hkv; ++h) heads.emplace_back(D, P, T);
-  constexpr int64_t kFillBlock = 128;  // slots per conversion task
-  const int64_t fill_blocks = (P + T + kFillBlock - 1) / kFillBlock;
-  at::parallel_for(0, Hkv * fill_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / fill_blocks, j0 = i % fill_blocks * kFillBlock;
-      fill_keys(heads[h], kp + h * k.stride(0), slot_stride, j0, std::min(j0 + kFillBlock, P + T));
-    }
-  });
   // Tasks: each KV head's G*T query rows (token-major: the G heads of token t are adjacent) in blocks of kRows.
   const int64_t rows = G * T, blocks = (rows + kRows - 1) / kRows;
+  // A head with several tasks converts its keys once for all of them; a head's only task (a decode step) converts
+  // them a block at a time, as it goes (HeadKeys).
+  const bool windowed = blocks == 1;
+  std::vector<HeadKeys<Acc>> heads;
+  if (!windowed) {
+    heads.reserve(Hkv);
+    const int64_t ld = round_up(P, kKeyPad), each = HeadKeys<Acc>::size(D, T, ld);
+    Acc* storage = reused<Acc>(Hkv * each, 0);
+    for (int64_t h = 0; h < Hkv; ++h) heads.emplace_back(D, P, T, ld, storage + h * each);
+    constexpr int64_t kFillBlock = 128;  // slots per conversion task
+    const int64_t fill_blocks = (P + T + kFillBlock - 1) / kFillBlock;
+    at::parallel_for(0, Hkv * fill_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t h = i / fill_blocks, j0 = i % fill_blocks * kFillBlock;
+        fill_keys(heads[h], kp + h * k.stride(0), slot_stride, j0, std::min(j0 + kFillBlock, P + T));
+      }
+    });
+  }
   const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
   const Acc log2_scale = static_cast<Acc>(scale * 1.4426950408889634);  // scores in log2 units: softmax by 2^x
   const auto* qp = q.data_ptr<scalar_t>();
   auto* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
     TaskScratch<scalar_t, Acc> scratch(D, T);
+    std::unique_ptr<HeadKeys<Acc>> window;
+    if (windowed)
+      window = std::make_unique<HeadKeys<Acc>>(D, P, T, kKeyBlock,
+                                               reused<Acc>(HeadKeys<Acc>::size(D, T, kKeyBlock), 1));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, r0 = task % blocks * kRows, R = std::min(kRows, rows - r0);
       int64_t tok[kRows], qhead[kRows];
@@ -331,9 +378,9 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
         qhead[r] = h * G + (r0 + r) % G;
       }
       auto run = [&](auto rows_const) {
-        attend_rows<scalar_t, Acc, decltype(rows_const)::value>(qp, q_strides, log2_scale, heads[h],
-                                                                vp + h * v.stride(0), slot_stride, mask, tok, qhead,
-                                                                scratch, op, Hq);
+        attend_rows<scalar_t, Acc, decltype(rows_const)::value>(
+            qp, q_strides, log2_scale, windowed ? *window : heads[h], windowed, kp + h * k.stride(0),
+            vp + h * v.stride(0), slot_stride, mask, tok, qhead, scratch, op, Hq);
       };
       switch (R) {
         case 1: run(std::integral_constant<int64_t, 1>{}); break;
