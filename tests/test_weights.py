@@ -45,6 +45,41 @@ def test_loads_and_casts_once(folder):
     assert torch.equal(model.model.layers[0].self_attn.k_proj.weight, ref)
 
 
+def test_progress_hears_every_file_byte_in_order(folder):
+    """Split over shards, the files' bytes (headers and tensors) are counted as read, up to their sizes' sum."""
+    weights = load_file(folder / "model.safetensors")
+    names = sorted(weights)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    for shard, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, folder / shard)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    heard = []
+    load_model(folder, torch.float32, ops="reference", progress=lambda done, total: heard.append((done, total)))
+    total = sum((folder / shard).stat().st_size for shard in shards)
+    assert len(heard) == len(names) and all(t == total for _, t in heard)
+    done = [d for d, _ in heard]
+    assert done == sorted(done) and done[-1] == total
+
+
+def test_the_loading_line_shows_on_a_terminal_for_big_models_only(capsys):
+    from tr_engine.cli_args import LoadProgress
+
+    bar = LoadProgress("vicuna-7b")
+    for done in (0, 1 << 29, 1 << 29, 1 << 31):
+        bar(done, 1 << 31)
+    bar.end(ok=True)
+    err = capsys.readouterr().err
+    assert err.count("\r") == 3 and "loading vicuna-7b: 25% of 2.1 GB" in err  # a repeated percentage is not redrawn
+    assert err.rstrip("\n").endswith("100% of 2.1 GB in 0 s") and err.endswith("\n")
+    small = LoadProgress("tiny")
+    small(10, 100)
+    small.end(ok=True)
+    assert capsys.readouterr().err == ""
+    assert LoadProgress.on_terminal("vicuna-7b") is None  # capsys's stderr is no terminal: no carriage returns
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cpu_model_keeps_its_projections_packed_and_only_packed(folder, dtype):
     """With the kernels, load_model packs every projection (q/k/v fused, gate/up fused, o, down, the tied LM head)

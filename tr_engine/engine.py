@@ -194,6 +194,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         tp: int = 1,
+        progress=None,
     ) -> "Engine":
         if not isinstance(name_or_path, (str, Path)):
             raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
@@ -222,7 +223,7 @@ class Engine:
                             "leave it out")
         check_cuda_graphs(cuda_graphs, device, ops)  # before the weights load
         shard = parallel.init(tp, device)
-        model = load_model(folder, dtype, device, ops, shard)
+        model = load_model(folder, dtype, device, ops, shard, progress)  # progress(bytes done, total): a bar's input
         limit = model.config.max_position_embeddings
         if max_context is not None and not 1 <= max_context <= limit:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")

@@ -9,6 +9,7 @@ that names it.
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -96,6 +97,11 @@ class SafetensorsFile:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key]["shape"])
 
+    def nbytes(self, key: str) -> int:
+        """The bytes the file holds for `key` (as its header says)."""
+        begin, end = self.tensors[key]["data_offsets"]
+        return end - begin
+
     def read(self, key: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
         """Tensor `key` in its stored dtype, or only rows (dim 0) or columns (dim 1) start..stop of it: `part` =
         (dim, start, stop). Rows are read alone; columns are cut from the whole tensor, read one at a time."""
@@ -152,11 +158,12 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", ops="kernels",
-               shard: Shard = ALONE) -> Llama:
+               shard: Shard = ALONE, progress: Callable[[int, int], None] | None = None) -> Llama:
     """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference, its
     projections and decode/verify attention computed by `ops` (tr_engine.ops: a spec like "kernels", or a namespace).
     Under tensor parallelism (`shard`), this rank's slice only, each weight's rows or columns read from the file
-    alone (tr_engine/parallel.py)."""
+    alone (tr_engine/parallel.py). `progress(done, total)`, if given, hears the bytes of the files gone through after
+    each tensor (a 7B model takes half a minute on a CPU; a progress bar's input)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist; pass a Hugging Face model folder or a known model name")
@@ -170,9 +177,13 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
     cut = slices(config, shard) if shard.world > 1 else {}
 
     state, unexpected = {}, []
-    for path in safetensors_files(folder):
+    files = safetensors_files(folder)
+    total, done = sum(p.stat().st_size for p in files), 0
+    for path in files:
         with SafetensorsFile(path) as f:
+            done += f.data_start
             for key in f.keys():
+                done += f.nbytes(key)
                 if key.endswith(IGNORED_SUFFIXES) or (key == "lm_head.weight" and config.tie_word_embeddings):
                     continue
                 if key not in expected:
@@ -191,6 +202,8 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
                 # file is not mapped, so nothing of it stays resident)
                 part = next((cut[suffix] for suffix in cut if key.endswith(suffix)), None)
                 state[key] = f.read(key, part).to(device=device, dtype=dtype)
+                if progress is not None:
+                    progress(done, total)
     missing = sorted(set(expected) - set(state))
     if missing or unexpected:
         parts = []
