@@ -38,9 +38,11 @@ print(time.perf_counter() - t0, held_bytes(model), (kb("VmRSS") - before) * 1024
 """
 
 
-def write_checkpoint(folder: Path, shape: str, dtype: torch.dtype) -> int:
+def write_checkpoint(folder: Path, shape: str, dtype: torch.dtype, spelled: int | None = None) -> int:
     """A Hugging Face folder (config.json, shards of 4 layers, the index) of `shape` with uniform random weights in
-    `dtype`; returns the bytes of weights written. One shard is in memory at a time."""
+    `dtype`; returns the bytes of weights written. One shard is in memory at a time. With `spelled` (a tokenizer's
+    size, below the shape's vocabulary), the LM head's rows from that id on are zero: a random model's greedy choice
+    is then a token the tokenizer can spell (a positive logit beats zero), as a real model's never is a padding id."""
     from safetensors.torch import save_file
 
     c = SHAPES[shape]
@@ -70,6 +72,8 @@ def write_checkpoint(folder: Path, shape: str, dtype: torch.dtype) -> int:
             shard = {"model.embed_tokens.weight": rnd(V, E), "model.norm.weight": torch.ones(E, dtype=dtype)}
             if not c.tie_word_embeddings:
                 shard["lm_head.weight"] = rnd(V, E)
+                if spelled is not None:
+                    shard["lm_head.weight"][spelled:] = 0
         else:
             shard = layers(firsts[i - 1])
         name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"

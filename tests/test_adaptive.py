@@ -253,6 +253,29 @@ def test_measured_curve_is_monotone_and_starts_at_one(tiny):
     assert CostModel.measure(tiny, KVCache(tiny.config, 3, torch.float64, "cpu"), {}).buckets == (1,)
 
 
+def test_timing_stops_passes_at_the_budget_but_keeps_the_warm_up_and_one(tiny):
+    """`reps` passes after a warm-up; past budget_s no further pass (a 7B model's take half a minute each)."""
+    from tr_engine.cost import time_steps
+
+    calls = []
+
+    class Counting:  # the model, counting its forwards
+        def __getattr__(self, name):
+            return getattr(tiny, name)
+
+        def __call__(self, ids, *args, **kwargs):
+            calls.append(len(ids))
+            return tiny(ids, *args, **kwargs)
+
+    cache = KVCache(tiny.config, 256, torch.float64, "cpu")
+    tiny.set_max_positions(256)
+    sizes = (1, 4, 8)
+    for budget, passes in ((None, 1 + 3), (0.0, 1 + 1), (1e9, 1 + 3)):
+        calls.clear()
+        s = time_steps(Counting(), cache, sizes, 64, reps=3, budget_s=budget)
+        assert calls == [64] + list(sizes) * passes and set(s) == set(sizes)  # the prefix's prefill, then the passes
+
+
 def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, tmp_path, monkeypatch):
     from tr_engine.engine import Engine
 

@@ -194,3 +194,20 @@ def test_load_memory_writes_a_checkpoint_of_a_shape_loads_it_and_reports(tmp_pat
     assert got["peak_bytes"] >= got["grown_bytes"]
     assert "| float16 |" in (tmp_path / "out" / "load_memory_tiny.md").read_text()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the checkpoint and its scratch folder are gone
+
+
+def test_chat_shape_runs_the_chat_command_on_a_random_checkpoint_of_a_shape(tmp_path):
+    """The harness behind bench/results/chat_shape_vicuna-7b.md at the tiny shape: both chats answer both turns,
+    the default one measures its cost curve first, and memory is read from the live process."""
+    proc = run_module("bench.chat_shape", "--shape", "tiny", "--max-new-tokens", "6", "--scratch", str(tmp_path),
+                      "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads((tmp_path / "out" / "chat_shape_tiny.json").read_text())
+    assert 300 <= got["tokenizer_pieces"] <= 1024  # the tiny shape's vocabulary bounds the trained pieces
+    ar, default = got["runs"]["ar"], got["runs"]["default"]
+    assert [t["method"] for t in ar["turns"]] == ["ar", "ar"] and [t["method"] for t in default["turns"]] == [
+        "hybrid", "hybrid"]
+    assert ar["notice_s"] is None and 0 < default["notice_s"] < default["first_byte_s"]
+    for r in (ar, default):
+        assert 0 < r["rss_after_load_bytes"] <= r["peak_bytes"] and all(t["tokens"] > 0 for t in r["turns"])
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -33,9 +33,11 @@ PREFIXES = (256, 1024)  # cached tokens before the step (less in a small cache);
 
 @torch.inference_mode()
 def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = True,
-               top_k: int = 8) -> dict[int, float]:
+               top_k: int = 8, budget_s: float | None = None) -> dict[int, float]:
     """Median seconds of one forward of T tokens (a breadth-first tree; T = 1 is a plain decode step, no mask) after
-    `prefix` cached tokens, for every T in `sizes`, timed in alternation so that a noisy spell hits every size alike.
+    `prefix` cached tokens, for every T in `sizes`, timed in alternation so that a noisy spell hits every size alike:
+    `reps` passes over the sizes after a warm-up pass, or fewer (one at least) once the timed passes have taken
+    `budget_s` (a 7B model's pass takes half a minute on a CPU, a small model's a second).
     With `with_argmax`, each timing includes the argmax over the logits and its host sync (what a decode step pays);
     under tensor parallelism a tree's includes instead the merge of its rows' top-`top_k` across the ranks (what a
     greedy verify step pays: tr_engine/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
@@ -65,11 +67,14 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     for T in sizes:
         step(T)  # warm-up: first-call allocations and kernel selection
     times = {T: [] for T in sizes}
+    start = time.perf_counter()
     for _ in range(reps):
         for T in sizes:
             t0 = time.perf_counter()
             step(T)
             times[T].append(time.perf_counter() - t0)
+        if budget_s is not None and time.perf_counter() - start >= budget_s:
+            break
     cache.reset()
     return {T: statistics.median(t) for T, t in times.items()}
 
@@ -122,17 +127,18 @@ class CostModel:
         return cls(buckets, PREFIXES, [[1.0] * len(buckets)] * 2, [0.0, 0.0], {"flat": max_tokens})
 
     @classmethod
-    def measure(cls, model, cache, key: dict, reps: int = 3, top_k: int = 8) -> "CostModel":
+    def measure(cls, model, cache, key: dict, reps: int = 3, top_k: int = 8,
+                budget_s: float = 20.0) -> "CostModel":
         """Time the buckets that fit twice over in the cache (all of them from 256 slots up), after the PREFIXES
-        clamped to what the biggest leaves (time_steps: `top_k` is the matrix's k). A cache too small for a draft
-        gets a curve of plain steps only."""
+        clamped to what the biggest leaves (time_steps: `top_k` is the matrix's k; `reps` passes, fewer past
+        `budget_s` of them at a prefix). A cache too small for a draft gets a curve of plain steps only."""
         sizes = tuple(T for T in BUCKETS if T <= cache.capacity // 2)
         if len(sizes) < 2:
             return cls((1,), (0, 0), [[1.0], [1.0]], [0.0, 0.0], key)
         prefixes = tuple(min(p, cache.capacity - sizes[-1]) for p in PREFIXES)
         relative, plain = [], []
         for prefix in prefixes:
-            s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k)
+            s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k, budget_s=budget_s)
             # A bigger verify never costs less than a smaller one; measured inversions are noise.
             rel, top = [], 0.0
             for T in sizes:

@@ -60,15 +60,19 @@ def train_bpe(out_dir: Path, vocab_size: int) -> int:
     return tok.get_vocab_size()
 
 
-def train_sentencepiece(out_dir: Path, vocab_size: int) -> int:
+def train_sentencepiece(out_dir: Path, vocab_size: int, corpus: list[str] | None = None) -> int:
+    """Write tokenizer.model and tokenizer_config.json as Llama-2/Vicuna folders have them; returns the vocabulary
+    size. With `corpus`, as many pieces as it yields up to `vocab_size` (a real text's merges run out before a
+    32000-piece vocabulary does); without, exactly `vocab_size` pieces learned from CORPUS."""
     import sentencepiece as spm
 
     # Llama's trainer settings: BPE, byte fallback, digits split, no normalisation, whitespace kept as is.
     with tempfile.TemporaryDirectory() as tmp:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(CORPUS * 20),
+            sentence_iterator=iter(corpus or CORPUS * 20),
             model_prefix=f"{tmp}/tokenizer",
             vocab_size=vocab_size,
+            hard_vocab_limit=corpus is None,
             model_type="bpe",
             byte_fallback=True,
             split_digits=True,
@@ -80,6 +84,7 @@ def train_sentencepiece(out_dir: Path, vocab_size: int) -> int:
             minloglevel=2,
         )
         (out_dir / "tokenizer.model").write_bytes(Path(f"{tmp}/tokenizer.model").read_bytes())
+        vocab_size = spm.SentencePieceProcessor(model_file=f"{tmp}/tokenizer.model").get_piece_size()
     config = {
         "tokenizer_class": "LlamaTokenizer",
         "bos_token": "<s>",
