@@ -254,7 +254,8 @@ def test_measured_curve_is_monotone_and_starts_at_one(tiny):
 
 
 def test_timing_stops_passes_at_the_budget_but_keeps_the_warm_up_and_one(tiny):
-    """`reps` passes after a warm-up; past budget_s no further pass (a 7B model's take half a minute each)."""
+    """`reps` passes after a warm-up (none asked for at a second prefix); past budget_s no further pass (a 7B
+    model's take half a minute each)."""
     from tr_engine.cost import time_steps
 
     calls = []
@@ -270,9 +271,9 @@ def test_timing_stops_passes_at_the_budget_but_keeps_the_warm_up_and_one(tiny):
     cache = KVCache(tiny.config, 256, torch.float64, "cpu")
     tiny.set_max_positions(256)
     sizes = (1, 4, 8)
-    for budget, passes in ((None, 1 + 3), (0.0, 1 + 1), (1e9, 1 + 3)):
+    for budget, warm_up, passes in ((None, True, 1 + 3), (0.0, True, 1 + 1), (1e9, True, 1 + 3), (None, False, 3)):
         calls.clear()
-        s = time_steps(Counting(), cache, sizes, 64, reps=3, budget_s=budget)
+        s = time_steps(Counting(), cache, sizes, 64, reps=3, budget_s=budget, warm_up=warm_up)
         assert calls == [64] + list(sizes) * passes and set(s) == set(sizes)  # the prefix's prefill, then the passes
 
 

@@ -33,11 +33,12 @@ PREFIXES = (256, 1024)  # cached tokens before the step (less in a small cache);
 
 @torch.inference_mode()
 def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = True,
-               top_k: int = 8, budget_s: float | None = None) -> dict[int, float]:
+               top_k: int = 8, budget_s: float | None = None, warm_up: bool = True) -> dict[int, float]:
     """Median seconds of one forward of T tokens (a breadth-first tree; T = 1 is a plain decode step, no mask) after
     `prefix` cached tokens, for every T in `sizes`, timed in alternation so that a noisy spell hits every size alike:
-    `reps` passes over the sizes after a warm-up pass, or fewer (one at least) once the timed passes have taken
-    `budget_s` (a 7B model's pass takes half a minute on a CPU, a small model's a second).
+    `reps` passes over the sizes after a warm-up pass (unless `warm_up` is False: a second prefix, whose first calls
+    of each size have nothing left to set up), or fewer (one at least) once the timed passes have taken `budget_s` (a
+    7B model's pass takes half a minute on a CPU, a small model's a second).
     With `with_argmax`, each timing includes the argmax over the logits and its host sync (what a decode step pays);
     under tensor parallelism a tree's includes instead the merge of its rows' top-`top_k` across the ranks (what a
     greedy verify step pays: tr_engine/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
@@ -64,7 +65,7 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
         elif device.type == "cuda":
             torch.cuda.synchronize()
 
-    for T in sizes:
+    for T in sizes if warm_up else ():
         step(T)  # warm-up: first-call allocations and kernel selection
     times = {T: [] for T in sizes}
     start = time.perf_counter()
@@ -137,8 +138,8 @@ class CostModel:
             return cls((1,), (0, 0), [[1.0], [1.0]], [0.0, 0.0], key)
         prefixes = tuple(min(p, cache.capacity - sizes[-1]) for p in PREFIXES)
         relative, plain = [], []
-        for prefix in prefixes:
-            s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k, budget_s=budget_s)
+        for i, prefix in enumerate(prefixes):
+            s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k, budget_s=budget_s, warm_up=i == 0)
             # A bigger verify never costs less than a smaller one; measured inversions are noise.
             rel, top = [], 0.0
             for T in sizes:

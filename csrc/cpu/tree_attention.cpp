@@ -14,6 +14,10 @@
 #include "../op_checks.h"
 #include "convert.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -84,12 +88,49 @@ void scores_tile(const Acc* q, int64_t D, const Acc* kt, int64_t ldk, int64_t n,
   for (; j0 < n; j0 += kKeyPad) scores_chunk<Acc, R, kKeyPad>(q, D, kt, ldk, j0, s, lds);
 }
 
+#if defined(__AVX512F__)
+// 16 consecutive elements of a key or value row as floats (exact: bf16 is a shift, half a hardware conversion).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 // o[r, c0 + c] += sum_{j < n} p[r, j] * rows[j][c0 + c] for r < R and the W columns from c0: one block's value rows
 // (cache rows or tree rows, wherever they are) in their storage type, converted in the loop (bf16 -> float is a
 // shift); o [R, D]. The sum runs over j in order whatever the rows' source, so a row's output bits depend only on
 // which value rows it sees, in which order.
 template <typename Acc, int64_t R, int64_t W, typename V>
 void values_chunk(const Acc* p, int64_t ldp, const V* const* rows, int64_t c0, int64_t n, Acc* o, int64_t D) {
+#if defined(__AVX512F__)
+  // The same multiply-adds as the loop below, written out in vectors: the compiler leaves the loop scalar for a
+  // single row (a decode step), where it was half of the attention's time.
+  if constexpr (std::is_same_v<Acc, float> && W % 16 == 0) {
+    constexpr int64_t NV = W / 16;
+    __m512 acc[R][NV];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const V* vj = rows[j] + c0;
+      __m512 vv[NV];
+      for (int64_t i = 0; i < NV; ++i) vv[i] = load16(vj + 16 * i);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 pv = _mm512_set1_ps(p[r * ldp + j]);
+        for (int64_t i = 0; i < NV; ++i) acc[r][i] = _mm512_fmadd_ps(pv, vv[i], acc[r][i]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < NV; ++i) {
+        float* dst = o + r * D + c0 + 16 * i;
+        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), acc[r][i]));
+      }
+    return;
+  }
+#endif
   Acc acc[R][W] = {};
   for (int64_t j = 0; j < n; ++j) {
     const V* vj = rows[j] + c0;
@@ -175,22 +216,60 @@ struct HeadKeys {
   static int64_t size(int64_t D, int64_t T, int64_t ld) { return D * ld + T * D; }
 };
 
+#if defined(__AVX512F__)
+// dst[c * ldd + r] = src[r * lds + c] for a 16 x 16 tile, through registers: 16 row loads, four rounds of shuffles,
+// 16 column stores, where a strided read of each column would be 256 single-element gathers.
+template <typename scalar_t>
+inline void transpose16(const scalar_t* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = load16(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: pairs of rows interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // quads of rows: r[i + c] holds columns c, c + 4, c + 8, c + 12 of 4 rows
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes across the quads
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {  // column i and column i + 8
+    _mm512_storeu_ps(dst + i * ldd, _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
+    _mm512_storeu_ps(dst + (i + 8) * ldd, _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD));
+  }
+}
+#endif
+
 // Convert the keys of cache slots j0..j1-1 of one head (k points at slot 0; slot_stride elements between slots); the
 // prefix slots among them must lie in b's window.
 template <typename scalar_t, typename Acc>
 void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t j0, int64_t j1) {
   const int64_t D = b.D, P = b.P;
-  // Transpose in blocks of 16 keys, so both the reads (16 key rows) and the writes (16 adjacent floats) stay in L1;
-  // a full block has a fixed width, which the compiler turns into vector gathers.
+  // Transpose in blocks of 16 keys, so both the reads (16 key rows) and the writes (16 adjacent floats) stay in L1:
+  // 16 x 16 tiles through registers where AVX-512 has the shuffles, else a fixed-width loop the compiler turns into
+  // vector gathers.
   const int64_t prefix_end = std::min(j1, P);
   int64_t jb = j0;
-  for (; jb + 16 <= prefix_end; jb += 16)
-    for (int64_t d = 0; d < D; ++d) {
+  for (; jb + 16 <= prefix_end; jb += 16) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<Acc, float>)
+      for (; d + 16 <= D; d += 16)
+        transpose16(k + jb * slot_stride + d, slot_stride, b.kt() + d * b.ld + (jb - b.base), b.ld);
+#endif
+    for (; d < D; ++d) {
       Acc* dst = b.kt() + d * b.ld + (jb - b.base);
       const scalar_t* src = k + jb * slot_stride + d;
 #pragma omp simd
       for (int64_t j = 0; j < 16; ++j) dst[j] = to_float(src[j * slot_stride]);
     }
+  }
   for (; jb < prefix_end; ++jb)
     for (int64_t d = 0; d < D; ++d) b.kt()[d * b.ld + (jb - b.base)] = to_float(k[jb * slot_stride + d]);
   for (int64_t j = std::max(j0, P); j < j1; ++j)
