@@ -1,6 +1,7 @@
 """The benchmark harness end to end on a tiny model: the files it writes and what they say."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,35 @@ def test_forward_cost_at_a_shape_stands_the_step_against_its_floor_and_projects(
     for T, row in tr.items():
         assert row["speedup"] == pytest.approx(row["mat"] / got["relative"]["64"][T])
     assert "Projected speedup" in (tmp_path / "forward_cost_tiny_bfloat16.md").read_text()
+    # By category group: each group at its best measured size, and the geometric mean over the groups.
+    measured = json.loads((Path(__file__).parents[1] / "bench" / "results" / "tree_mat.json").read_text())
+    assert set(got["projection"]["by_group"]) == set(measured.get("mat_by_group", {}))
+    for method, g in got["projection"]["by_group"].items():
+        for group, best in g["groups"].items():
+            speedups = {int(T): mat / got["relative"]["64"][T]
+                        for T, mat in measured["mat_by_group"][method][group].items() if T in got["relative"]["64"]}
+            assert best["speedup"] == pytest.approx(max(speedups.values())) and best["tokens"] == max(
+                speedups, key=speedups.get)
+        product = math.prod(b["speedup"] for b in g["groups"].values())
+        assert g["geo_mean"] == pytest.approx(product ** (1 / len(g["groups"])))
+
+
+def test_tree_mat_measures_each_size_and_category_group(tiny_factory, tmp_path):
+    """The harness behind bench/results/tree_mat.md on a tiny model: MAT by size for each method, pooled and by
+    category group, every output checked against plain decoding (the run fails otherwise)."""
+    folder = tiny_factory("long", max_positions=8192)  # (a RAG question is ~2400 of its tokens)
+    proc = run_module("bench.tree_mat", "--model", str(folder), "--dtype", "float32", "--per-group", "1",
+                      "--max-new-tokens", "8", "--sizes", "4", "8", "--methods", "tr", "hybrid", "--threads", "1",
+                      "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads((tmp_path / "tree_mat.json").read_text())
+    assert got["sizes"] == [4, 8] and set(got["mat"]) == set(got["mat_by_group"]) == {"tr", "hybrid"}
+    for method, by_group in got["mat_by_group"].items():
+        assert len(by_group) == 6  # one question of each category group
+        assert all(mat >= 1.0 for by_T in by_group.values() for mat in by_T.values())
+    assert "hybrid by category group" in (tmp_path / "tree_mat.md").read_text()
+    bad = run_module("bench.tree_mat", "--sizes", "9", "--out", str(tmp_path))
+    assert bad.returncode == 2 and "--sizes must be verify buckets" in bad.stderr
 
 
 def test_load_memory_writes_a_checkpoint_of_a_shape_loads_it_and_reports(tmp_path):
