@@ -31,8 +31,8 @@ def test_pack_is_the_references_layout_exactly(dtype, K, N):
     assert wp[0, 0, 0, 0] == w[0, 0] and wp[-1, -1, (N - 1) % 32, (K - 1) % P] == w[-1, -1]
 
 
-# Row counts: 1 (a decode step), up to and past a 12-row register tile, a tree, past a 192-row chunk (a prefill).
-@pytest.mark.parametrize("T", [1, 5, 12, 13, 33, 81, 200])
+# Row counts: 1 (a decode step), up to and past an 8-row register tile, a tree, past a 192-row chunk (a prefill).
+@pytest.mark.parametrize("T", [1, 5, 8, 9, 12, 13, 33, 81, 200])
 @pytest.mark.parametrize("K, N", SHAPES)
 def test_float32_matches_float64_truth(T, K, N):
     x, w = operands(T, K, N, torch.float32, seed=T)

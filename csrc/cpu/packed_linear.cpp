@@ -7,8 +7,8 @@
 // output rows' next P weights; the kernel broadcasts x[t]'s next P values and multiply-adds them into 16 per-output
 // accumulators (the AVX512-BF16 dot product for bf16: two products per fp32 lane; an FMA for fp32, and for fp16
 // after converting the weights in registers: this CPU has no fp16 arithmetic). 2 weight loads
-// feed 2 x R multiply-adds, R up to 12 rows of x, and nothing needs a horizontal sum: the accumulators are the
-// outputs. So fp32 stays memory-bound up to 12 rows, and bf16 (half the bytes) until its dot products catch up with
+// feed 2 x R multiply-adds, R up to 8 rows of x, and nothing needs a horizontal sum: the accumulators are the
+// outputs. So fp32 stays memory-bound up to 8 rows, and bf16 (half the bytes) until its dot products catch up with
 // memory; what that buys against oneDNN's F.linear and skinny_linear's row-major tiles, on all of SmolLM2's
 // projections, is measured by `make bench-kernels` (bench/results/kernels_cpu.md).
 #include <ATen/ATen.h>
@@ -33,7 +33,10 @@
 namespace {
 
 constexpr int64_t kBlock = 32;       // output rows per block (two 16-lane vectors)
-constexpr int kMaxGroup = 12;        // rows of x per register tile: 2 x 12 accumulators + 2 weight vectors
+// Rows of x per register tile: 2 x 8 accumulators + 2 weight vectors. 12 rows fit the registers too, but a tile
+// of 12 ran slower than two of 8 at a 7B model's shapes (12 rows through an 11008 x 4096 bf16 weight: 4.5-4.8 ms,
+// 16 rows 4.0-4.2; in tiles of 8, 12 rows 3.3-3.7 and 24 rows 5.7-5.9 instead of 7.1-7.3), no faster at SmolLM2's.
+constexpr int kMaxGroup = 8;
 constexpr int64_t kRowChunk = 192;   // rows of x per pass over w, so x's chunk stays in L2 for a long prefill
 
 using tr_engine_cpu::to_float;
@@ -156,9 +159,7 @@ void block(const T* x, int64_t ldx, const T* wb, int64_t groups, T* y, int64_t l
     case 1: FN<1>(__VA_ARGS__); break;   case 2: FN<2>(__VA_ARGS__); break;                          \
     case 3: FN<3>(__VA_ARGS__); break;   case 4: FN<4>(__VA_ARGS__); break;                          \
     case 5: FN<5>(__VA_ARGS__); break;   case 6: FN<6>(__VA_ARGS__); break;                          \
-    case 7: FN<7>(__VA_ARGS__); break;   case 8: FN<8>(__VA_ARGS__); break;                          \
-    case 9: FN<9>(__VA_ARGS__); break;   case 10: FN<10>(__VA_ARGS__); break;                        \
-    case 11: FN<11>(__VA_ARGS__); break; default: FN<12>(__VA_ARGS__); break;                        \
+    case 7: FN<7>(__VA_ARGS__); break;   default: FN<8>(__VA_ARGS__); break;                         \
   }
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
