@@ -190,8 +190,8 @@ def smollm2_worker(rank: int, world: int, port: int, folder: str, asks: list, ou
 
     joined(rank, world, port)
     engine = Engine.from_pretrained(folder, dtype="float32", tp=world, max_context=1024)
-    # (the adaptive tree priced by a pinned curve, up to 32 tokens: calibrating a TP=2 curve would double the time)
-    drafter = engine.new_drafter("hybrid", "adaptive", cost=CostModel.flat(32), max_tokens=32)
+    # (the adaptive tree priced by a pinned curve, up to 16 tokens: calibrating a TP=2 curve would double the time)
+    drafter = engine.new_drafter("hybrid", "adaptive", cost=CostModel.flat(16), max_tokens=16)
     answers = [engine.generate(prompt, tokens, drafter=drafter).token_ids for prompt, tokens in asks]
     torch.save(answers, f"{out}.{rank}")
     finish()

@@ -3,6 +3,7 @@ draft tree gives exactly the model's distribution (a chi-square test against the
 tokens, with a biased sampler that must fail it), a seed gives the same tokens with or without drafting, and
 temperature 0 is greedy."""
 
+import contextlib
 import json
 import math
 
@@ -216,6 +217,18 @@ def distribution_p_value(counts: dict[tuple, int], exact: dict[tuple, float], n:
 SAMPLES = 4000
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Thousands of tiny float64 forwards: a second thread costs more in handing out the work than it takes off."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@one_thread()
 def tree_samples(model, sampling, prompt, n=SAMPLES) -> tuple[dict[tuple, int], float]:
     """Counts of the first three tokens over n seeded runs of Token Recycling with the paper's tree, hot matrix.
     The runs share one cache, as a chat's turns do: each prefills the prompt's last token only."""
