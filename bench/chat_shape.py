@@ -17,6 +17,7 @@ chat_shape_<shape>.{md,json}.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -50,8 +51,6 @@ def status_kb(pid: int, field: str) -> int | None:
 
 def chat(folder: Path, turns: list[str], args: list[str], home: Path) -> dict:
     """One chat process answering `turns`: when its lines came (seconds from the start), its memory, its turns."""
-    import os
-
     env = {**os.environ, "TR_ENGINE_HOME": str(home)}
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "tr_engine.chat", "--model", str(folder), "--dtype", "bfloat16",
