@@ -76,7 +76,8 @@ class AttentionMask:
     bool [G*T, P+T], the whole mask with rows in the folded (group, token) order, for PyTorch's fused attention (a
     prompt chunk), or `causal` (a CPU prompt chunk from slot 0: the fused kernel's own causal path, which skips the
     blocks above the diagonal that a mask would make it compute and then drop: a 2000-token prompt of SmolLM2's
-    attends in about half the time, to the same bits), or none: see everything (a GPU decode step). `slots` int64
+    attends in about half the time; its sums are blocked otherwise, so a few prompts' logits round differently, every
+    method's alike), or none: see everything (a GPU decode step). `slots` int64
     [T]: where the new tokens' K/V go, when the prefix length is a device tensor rather than an int (a step a CUDA
     graph replays: tr_engine/graphs.py)."""
 
