@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.load_memory import write_checkpoint
-from bench.machine import machine_info, machine_line
+from bench.machine import machine_info, machine_line, status_kb
 from bench.shapes import SHAPES
 from bench.specbench import DEFAULT_QUESTIONS, load_questions
 from tr_engine.cli import ArgumentParser, run
@@ -39,14 +39,12 @@ STATUS = re.compile(r"\[(\d+) tokens, ([\d.]+) tok/s(?:, MAT ([\d.]+))?, (\w+), 
 NOTICE = "measuring this machine's verify cost"
 
 
-def status_kb(pid: int, field: str) -> int | None:
+def live_kb(pid: int, field: str) -> int | None:
+    """bench.machine.status_kb, or None once the process has ended (it may between a poll and the read)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
+        return status_kb(pid, field)
+    except (OSError, RuntimeError):
+        return None
 
 
 def chat(folder: Path, turns: list[str], args: list[str], home: Path) -> dict:
@@ -70,7 +68,7 @@ def chat(folder: Path, turns: list[str], args: list[str], home: Path) -> dict:
             line = raw.decode(errors="replace").rstrip("\n")
             if NOTICE in line and seen["notice_s"] is None:
                 seen["notice_s"] = time.monotonic() - start
-                seen["rss_after_load_kb"] = status_kb(proc.pid, "VmRSS")
+                seen["rss_after_load_kb"] = live_kb(proc.pid, "VmRSS")
             seen["stderr"].append(line)
 
     readers = [threading.Thread(target=read_stdout), threading.Thread(target=read_stderr)]
@@ -78,9 +76,9 @@ def chat(folder: Path, turns: list[str], args: list[str], home: Path) -> dict:
         r.start()
     peak = 0
     while proc.poll() is None:
-        peak = max(peak, status_kb(proc.pid, "VmHWM") or 0)
+        peak = max(peak, live_kb(proc.pid, "VmHWM") or 0)
         if seen["first_byte_s"] is not None and seen["rss_after_load_kb"] is None:
-            seen["rss_after_load_kb"] = status_kb(proc.pid, "VmRSS")  # (plain decoding: at its first answer)
+            seen["rss_after_load_kb"] = live_kb(proc.pid, "VmRSS")  # (plain decoding: at its first answer)
         time.sleep(0.2)
     for r in readers:
         r.join()

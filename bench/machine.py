@@ -92,9 +92,14 @@ def read_bandwidth(n_bytes: int = 2**28, reps: int = 7) -> float:
     return n_bytes / statistics.median(times) / 1e9
 
 
+def status_kb(pid: int | str, field: str) -> int:
+    """A memory figure of a process's /proc status (VmRSS, VmHWM, ...), in KiB; OSError once the process is gone."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} for process {pid}")
+
+
 def rss_kb(pid: int | str = "self") -> int:
     """A process's resident memory (VmRSS), in KiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    return status_kb(pid, "VmRSS")
