@@ -54,6 +54,9 @@ class MatmulClock:
     def __init__(self, model):
         self.seconds, self.active = 0.0, False
         ops, forward = model.ops, model.forward
+        # The module path, whose projections are calls of ops.linear that can be clocked one by one (a fused layer,
+        # one op, hides them: bench/step_profile.py measures that path part by part instead).
+        model.fused_layers = False
 
         def linear(x, w):
             if not self.active:

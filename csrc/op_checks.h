@@ -116,4 +116,41 @@ inline void check_tree_attention_batch_args(const at::Tensor& q, const at::Tenso
               "flattened), got ", tree_masks.scalar_type(), " ", tree_masks.sizes());
 }
 
+// decoder_layer (CPU only): the layer's tensors against x [T, E] and the cache kv [N, 2, Hkv, S, D] of this layer;
+// each projection packed (pack_linear) from its [out, in] weight. The attention part is then checked as
+// tree_attention_batch's, on the layer's queries.
+inline void check_decoder_layer_args(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
+                                     const at::Tensor& o, const at::Tensor& post_norm, const at::Tensor& gate_up,
+                                     const at::Tensor& down, const at::Tensor& cos, const at::Tensor& sin,
+                                     const at::Tensor& kv, int64_t n_heads, int64_t ffn) {
+  TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, E], got ", x.dim(), " dims");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "decoder_layer: x is ", x.scalar_type(), "; float32, bfloat16 and float16 are supported");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.stride(4) == 1,
+              "decoder_layer: kv must be [N, 2, Hkv, S, D] with a contiguous last dim, got ", kv.sizes());
+  const int64_t T = x.size(0), E = x.size(1), Hkv = kv.size(2), D = kv.size(4);
+  TORCH_CHECK(n_heads >= 1 && n_heads % Hkv == 0 && D % 2 == 0, "decoder_layer: n_heads = ", n_heads,
+              " must be a multiple of the cache's ", Hkv, " KV heads, and the head dim ", D, " even");
+  for (const at::Tensor* t : {&input_norm, &qkv, &o, &post_norm, &gate_up, &down, &cos, &sin, &kv})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->device() == x.device() &&
+                    (t == &kv || t->is_contiguous()),
+                "decoder_layer: every tensor must be ", x.scalar_type(), " on ", x.device(),
+                " and contiguous (but kv), like x; got ", t->scalar_type(), " on ", t->device());
+  TORCH_CHECK(input_norm.dim() == 1 && input_norm.size(0) == E && post_norm.dim() == 1 && post_norm.size(0) == E,
+              "decoder_layer: the norms' weights must be [E] = [", E, "]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "decoder_layer: cos and sin must be [T, D] = [", T, ", ", D, "], got ", cos.sizes(), " and ",
+              sin.sizes());
+  const int64_t P = x.scalar_type() == at::kBFloat16 ? 2 : 1;
+  auto packed = [&](const at::Tensor& w, int64_t out, int64_t in) {
+    return w.dim() == 4 && w.size(0) == (out + 31) / 32 && w.size(1) == (in + P - 1) / P && w.size(2) == 32 &&
+           w.size(3) == P;
+  };
+  const int64_t F = ffn, Hq = n_heads;
+  TORCH_CHECK(packed(qkv, (Hq + 2 * Hkv) * D, E) && packed(o, E, Hq * D) && packed(gate_up, 2 * F, E) &&
+                  packed(down, E, F),
+              "decoder_layer: qkv, o, gate_up and down must be pack_linear's of [(Hq + 2 Hkv) D, E], [E, Hq D], "
+              "[2 F, E] and [E, F] weights with E = ", E, ", Hq = ", Hq, ", Hkv = ", Hkv, ", D = ", D, ", F = ", F);
+}
+
 }  // namespace tr_engine

@@ -34,6 +34,14 @@ def fuse_linears_(*linears: nn.Linear) -> torch.Tensor:
     return w
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row of x divided by its root mean square, times weight. Half types normalise in float32 (as the
+    checkpoints were trained) and round once before the weight's multiply; float32/float64 stay in their own type."""
+    h = x.float() if x.element_size() < 4 else x
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -41,10 +49,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Half types normalise in float32 (as the checkpoints were trained); float32/float64 stay in their own type.
-        h = x.float() if x.element_size() < 4 else x
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_table(config: LlamaConfig, max_positions: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,9 +199,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+        # The arguments of ops.decoder_layer that never change, set by Llama.pack_ when the layer may run as one op.
+        self.fused_args: tuple | None = None
+
     def forward(self, x, cos, sin, kv, start, mask, ops):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, mask, ops)
         return x + self.mlp(self.post_attention_layernorm(x), ops.linear)
+
+    def fused(self, x, cos, sin, kv, rows: "RaggedBatch", ops):
+        """forward() as one op (ops.decoder_layer) for a packed CPU layer's decode or verify step: kv [N, 2, Hkv, S,
+        D], each sequence of `rows` in its own slot, through its tree mask. The same math in one pass over the T rows
+        between the matmuls, with no PyTorch op per step of it."""
+        norm1, qkv, o, norm2, gate_up, down, n_heads, ffn, eps = self.fused_args
+        return ops.decoder_layer(x, norm1, qkv, o, norm2, gate_up, down, cos, sin, kv, rows.slots, rows.prefix_lens,
+                                 rows.offsets, rows.tree_masks, n_heads, ffn, eps)
 
 
 class LlamaBody(nn.Module):
@@ -231,6 +247,7 @@ class Llama(nn.Module):
         self.head_weight = None  # [V, E], the LM head as the forward uses it (fuse_, pack_)
         self.rope_cos: torch.Tensor | None = None  # [S, D], from set_max_positions()
         self.rope_sin: torch.Tensor | None = None
+        self.fused_layers = False  # each decoder layer as one op (pack_); a benchmark may turn it off to compare
 
     @property
     def dtype(self) -> torch.dtype:
@@ -263,6 +280,30 @@ class Llama(nn.Module):
                 m.weight = None
         self.head_weight = pack(self.head_weight)  # a tied head: a packed copy; the embedding stays for the lookup
         self.lm_head.weight = None
+        if self.shard.world == 1:  # (tensor parallelism adds partial sums mid-layer: the module path)
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                layer.fused_args = (layer.input_layernorm.weight.detach(), attn.qkv_weight.data, attn.o_weight.data,
+                                    layer.post_attention_layernorm.weight.detach(), mlp.gate_up_weight.data,
+                                    mlp.down_weight.data, attn.n_heads, mlp.gate_up_weight.n // 2,
+                                    layer.input_layernorm.eps)
+        self.fused_layers = self.shard.world == 1
+
+    def fused_rows(self, T: int, start, mask: AttentionMask) -> RaggedBatch | None:
+        """The rows of a forward that may run as one op per layer (DecoderLayer.fused), as a ragged batch, or None:
+        a packed CPU model's decode and verify steps (a tree mask and an int start, or a batch); prompt chunks and
+        other devices take the module path."""
+        if not self.fused_layers:
+            return None
+        if mask.batch is not None:
+            return mask.batch
+        if mask.tree is None:
+            return None
+        # (A prefix length in a tensor is a step that tr_engine/graphs.py replays; on a CPU, where packed models live,
+        # it is read here as tree_attention_dynamic's CPU kernel reads it: its slots are start..start+T-1 all the same.)
+        prefix = int(start) if isinstance(start, torch.Tensor) else start
+        return RaggedBatch(slots=[0], prefix_lens=[prefix], offsets=[0, T], tree_masks=mask.tree.reshape(-1),
+                           seq=None, pos=None)
 
     def forward(
         self,
@@ -317,8 +358,13 @@ class Llama(nn.Module):
             seen = torch.ones(T, start, dtype=torch.bool, device=device)
             mask = AttentionMask(folded=torch.cat([seen, causal], dim=1).repeat(G, 1))  # [G*T, P+T]
         x = self.embed(input_ids)  # [T, E]
-        for layer, kv in zip(self.model.layers, kv_cache):
-            x = layer(x, cos, sin, kv, start, mask, self.ops)
+        rows = self.fused_rows(T, start, mask)
+        if rows is None:
+            for layer, kv in zip(self.model.layers, kv_cache):
+                x = layer(x, cos, sin, kv, start, mask, self.ops)
+        else:  # one op per layer; the cache as a batch of one slot when it is one sequence's
+            for layer, kv in zip(self.model.layers, kv_cache if batch is not None else kv_cache[:, None]):
+                x = layer.fused(x, cos, sin, kv, rows, self.ops)
         if last_logits_only:
             x = x[-1:]
         logits = self.ops.linear(self.model.norm(x), self.head_weight)  # [T, V] (this rank's V alone)

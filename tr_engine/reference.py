@@ -95,3 +95,25 @@ def tree_attention_dynamic(
     """tree_attention with the prefix length in a one-element int64 tensor (what a captured CUDA graph replays with:
     the compiled kernel reads it on the device). Reading it here syncs, so the reference cannot be captured."""
     return tree_attention(q, k, v, int(prefix_len), tree_mask, scale)
+
+
+def decoder_layer(x: torch.Tensor, input_norm: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor,
+                  post_norm: torch.Tensor, gate_up_w: torch.Tensor, down_w: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, kv: torch.Tensor, slots: list[int], prefix_lens: list[int], offsets: list[int],
+                  tree_masks: torch.Tensor, n_heads: int, ffn: int, eps: float) -> torch.Tensor:
+    """One decoder layer of a ragged batch of rows, as tr_engine/model.py's module path computes it (DecoderLayer,
+    Attention, MLP), on packed weights: x [T, E] -> [T, E]; the rows' rotated K and their V written into kv
+    [N, 2, Hkv, S, D], sequence b's at slot slots[b], positions prefix_lens[b]..; attention by tree_attention_batch."""
+    from tr_engine.model import apply_rope, rms_norm  # (the model imports this module, through tr_engine.ops)
+
+    T, E = x.shape
+    Hq, Hkv, D = n_heads, kv.shape[2], kv.shape[4]
+    qkv = packed_linear(rms_norm(x, input_norm, eps), qkv_w, (Hq + 2 * Hkv) * D).view(T, Hq + 2 * Hkv, D)
+    qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq + Hkv, D]
+    for slot, p, lo, hi in zip(slots, prefix_lens, offsets, offsets[1:]):
+        kv[slot, 0, :, p : p + hi - lo] = qk[lo:hi, Hq:].transpose(0, 1)
+        kv[slot, 1, :, p : p + hi - lo] = qkv[lo:hi, Hq + Hkv :].transpose(0, 1)
+    o = tree_attention_batch(qk[:, :Hq], kv[:, 0], kv[:, 1], slots, prefix_lens, offsets, tree_masks, D**-0.5)
+    h = x + packed_linear(o.reshape(T, Hq * D), o_w, E)
+    gate, up = packed_linear(rms_norm(h, post_norm, eps), gate_up_w, 2 * ffn).chunk(2, dim=-1)
+    return h + packed_linear(torch.nn.functional.silu(gate) * up, down_w, E)

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "convert.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -181,27 +182,6 @@ void block(const T* x, int64_t ldx, const T* wb, int64_t groups, T* y, int64_t l
   block_loop(x, ldx, wb, groups, y, ldy, rows, valid);
 }
 
-// Threads split the blocks of w (each block is 32 x K contiguous values, read once per chunk of rows); inside a
-// block, the chunk's rows go in near-equal groups of at most kMaxGroup.
-template <typename T>
-void packed(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64_t groups, int64_t N) {
-  const int64_t blocks = (N + kBlock - 1) / kBlock, block_size = groups * kBlock * pack_width<T>();
-  for (int64_t t0 = 0; t0 < rows; t0 += kRowChunk) {
-    const int64_t chunk = std::min(kRowChunk, rows - t0);
-    const int64_t tiles = (chunk + kMaxGroup - 1) / kMaxGroup;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int valid = static_cast<int>(std::min(kBlock, N - b * kBlock));
-        for (int64_t g = 0, t = t0; g < tiles; ++g) {
-          const int r = static_cast<int>((t0 + chunk - t) / (tiles - g));  // near-equal groups
-          block(x + t * ldx, ldx, wp + b * block_size, groups, y + t * N + b * kBlock, N, r, valid);
-          t += r;
-        }
-      }
-    });
-  }
-}
-
 int64_t width_of(at::ScalarType t) { return t == at::kBFloat16 ? 2 : 1; }  // pack_width at run time
 
 // f(static_cast<T*>(nullptr)) for the element type T of a dtype that check_dtype admitted.
@@ -271,12 +251,42 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& wp, int64_t 
   auto y = at::empty({x.size(0), n}, x.options());
   with_type(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    packed(xc.data_ptr<T>(), groups * P, wp.data_ptr<T>(), y.data_ptr<T>(), x.size(0), groups, n);
+    tr_engine_cpu::packed_rows(xc.data_ptr<T>(), groups * P, wp.data_ptr<T>(), y.data_ptr<T>(), x.size(0), groups, n);
   });
   return y;
 }
 
 }  // namespace
+
+namespace tr_engine_cpu {
+
+// Threads split the blocks of w (each block is 32 x K contiguous values, read once per chunk of rows); inside a
+// block, the chunk's rows go in near-equal groups of at most kMaxGroup.
+template <typename T>
+void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64_t groups, int64_t N) {
+  const int64_t blocks = (N + kBlock - 1) / kBlock, block_size = groups * kBlock * pack_width<T>();
+  for (int64_t t0 = 0; t0 < rows; t0 += kRowChunk) {
+    const int64_t chunk = std::min(kRowChunk, rows - t0);
+    const int64_t tiles = (chunk + kMaxGroup - 1) / kMaxGroup;
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int valid = static_cast<int>(std::min(kBlock, N - b * kBlock));
+        for (int64_t g = 0, t = t0; g < tiles; ++g) {
+          const int r = static_cast<int>((t0 + chunk - t) / (tiles - g));  // near-equal groups
+          block(x + t * ldx, ldx, wp + b * block_size, groups, y + t * N + b * kBlock, N, r, valid);
+          t += r;
+        }
+      }
+    });
+  }
+}
+
+template void packed_rows(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
+template void packed_rows(const c10::BFloat16*, int64_t, const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t,
+                          int64_t);
+template void packed_rows(const c10::Half*, int64_t, const c10::Half*, c10::Half*, int64_t, int64_t, int64_t);
+
+}  // namespace tr_engine_cpu
 
 TORCH_LIBRARY_IMPL(tr_engine, CPU, m) {
   m.impl("pack_linear", &pack_linear_cpu);

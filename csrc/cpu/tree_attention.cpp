@@ -13,6 +13,7 @@
 
 #include "../op_checks.h"
 #include "convert.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,27 +42,9 @@ constexpr int64_t kKeyBlock = 256;  // keys per softmax block: 6 rows of scores 
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// 2^x for x <= 0, within 2 ulp, as branch-free arithmetic the compiler vectorises (std::exp2 is a scalar call).
-// Scores are kept in log2 units (the queries are pre-multiplied by log2(e)), so softmax needs 2^x, whose range
-// reduction is exact: x = n + r with n = round(x), |r| <= 1/2; 2^r = e^(r ln2) by its degree-6 Taylor polynomial
-// (relative error < 2e-7); 2^n is written into the exponent bits. Inputs below -126 (masked scores are -inf) give 0.
-inline float exp2_nonpositive(float x) {
-  const float x_in = x;
-  x = std::max(x, -126.0f);  // keeps the exponent arithmetic below in range
-  const float n = std::nearbyint(x);
-  const float r = x - n;
-  float p = 1.5403530e-4f;  // (ln 2)^6 / 6!
-  p = std::fma(p, r, 1.3333558e-3f);
-  p = std::fma(p, r, 9.6181291e-3f);
-  p = std::fma(p, r, 5.5504109e-2f);
-  p = std::fma(p, r, 2.4022651e-1f);
-  p = std::fma(p, r, 6.9314718e-1f);  // ln 2
-  p = std::fma(p, r, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x_in < -126.0f ? 0.f : p * scale;
-}
+// 2^x for x <= 0 (convert.h's exp2_clamped; its bits for x >= -126, 0 below). Scores are kept in log2 units (the
+// queries are pre-multiplied by log2(e)), so softmax needs 2^x; masked scores are -inf and give 0.
+inline float exp2_nonpositive(float x) { return x < -126.0f ? 0.f : tr_engine_cpu::exp2_clamped(x); }
 inline double exp2_nonpositive(double x) { return std::exp2(x); }
 
 // s[r, j] = sum_d q[r, d] * kt[d, j] for r < R and the W keys j0..j0+W-1. q [R, D]; kt [D, ldk] holds the keys
@@ -505,21 +488,44 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   return out;
 }
 
-// Each sequence through the same kernel, on its own rows, slot and mask block: its rows' bits are the ones a call for
-// that sequence alone gives. With several sequences the threads split the sequences between them (each sequence's
-// call then runs on one thread; a plain step's single row per sequence would leave threads idle otherwise).
+// The batch's shape, then each sequence's rows as tree_attention's, are checked before any is computed.
 at::Tensor tree_attention_batch_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     at::IntArrayRef slots, at::IntArrayRef prefix_lens, at::IntArrayRef offsets,
                                     const at::Tensor& tree_masks, double scale) {
   tr_engine::check_tree_attention_batch_args(q, k, v, slots, prefix_lens, offsets, tree_masks);
+  for (int64_t b = 0, mask_at = 0; b < static_cast<int64_t>(slots.size()); ++b) {
+    const int64_t n = offsets[b + 1] - offsets[b];
+    tr_engine::check_tree_attention_args(q.narrow(0, offsets[b], n), k.select(0, slots[b]), v.select(0, slots[b]),
+                                         prefix_lens[b], tree_masks.narrow(0, mask_at, n * n).view({n, n}));
+    mask_at += n * n;
+  }
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  tr_engine_cpu::attend_batch_into(q, k, v, slots, prefix_lens, offsets, tree_masks, scale, out);
+  return out;
+}
+
+// On a CPU the prefix length is simply read: nothing is captured here, so there is nothing to gain by not reading it.
+at::Tensor tree_attention_dynamic_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& prefix_len, const at::Tensor& tree_mask, double scale) {
+  tr_engine::check_tree_attention_dynamic_args(q, k, v, prefix_len, tree_mask);
+  return tree_attention_cpu(q, k, v, prefix_len.item<int64_t>(), tree_mask, scale);
+}
+
+}  // namespace
+
+namespace tr_engine_cpu {
+
+// Each sequence through the same kernel, on its own rows, slot and mask block: its rows' bits are the ones a call for
+// that sequence alone gives. With several sequences the threads split the sequences between them (each sequence's
+// call then runs on one thread; a plain step's single row per sequence would leave threads idle otherwise).
+void attend_batch_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef slots,
+                       at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const at::Tensor& tree_masks,
+                       double scale, at::Tensor& out) {
   const int64_t B = static_cast<int64_t>(slots.size());
   std::vector<int64_t> mask_at(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = offsets[b + 1] - offsets[b];
     mask_at[b + 1] = mask_at[b] + n * n;
-    tr_engine::check_tree_attention_args(q.narrow(0, offsets[b], n), k.select(0, slots[b]), v.select(0, slots[b]),
-                                         prefix_lens[b], tree_masks.narrow(0, mask_at[b], n * n).view({n, n}));
   }
   auto attend = [&](int64_t b) {
     const int64_t lo = offsets[b], n = offsets[b + 1] - offsets[b];
@@ -534,17 +540,9 @@ at::Tensor tree_attention_batch_cpu(const at::Tensor& q, const at::Tensor& k, co
       for (int64_t b = begin; b < end; ++b) attend(b);
     });
   }
-  return out;
 }
 
-// On a CPU the prefix length is simply read: nothing is captured here, so there is nothing to gain by not reading it.
-at::Tensor tree_attention_dynamic_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const at::Tensor& prefix_len, const at::Tensor& tree_mask, double scale) {
-  tr_engine::check_tree_attention_dynamic_args(q, k, v, prefix_len, tree_mask);
-  return tree_attention_cpu(q, k, v, prefix_len.item<int64_t>(), tree_mask, scale);
-}
-
-}  // namespace
+}  // namespace tr_engine_cpu
 
 TORCH_LIBRARY_IMPL(tr_engine, CPU, m) {
   m.impl("tree_attention", &tree_attention_cpu);

@@ -1,0 +1,23 @@
+// The CPU kernels that other CPU kernels call directly, below the dispatcher: the fused decoder layer
+// (decoder_layer.cpp) runs a layer's matmuls and attention through these, without a PyTorch op per step.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace tr_engine_cpu {
+
+// y [rows, N] (contiguous) = x [rows, ldx] @ w.T with wp = pack_linear(w) of w [N, groups * P], T = float,
+// c10::BFloat16 or c10::Half: packed_linear's kernel (csrc/cpu/packed_linear.cpp), row-independent.
+template <typename T>
+void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64_t groups, int64_t N);
+
+// tree_attention_batch's kernel into out [T, Hq, D] (contiguous), its arguments checked already: sequence b's rows
+// offsets[b]..offsets[b+1] of q against slot slots[b] of k, v [N, Hkv, S, D] after prefix_lens[b] cached keys, with
+// its flattened T_b x T_b block of tree_masks (csrc/cpu/tree_attention.cpp).
+void attend_batch_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef slots,
+                       at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const at::Tensor& tree_masks,
+                       double scale, at::Tensor& out);
+
+}  // namespace tr_engine_cpu
