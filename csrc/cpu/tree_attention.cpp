@@ -26,6 +26,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -278,6 +279,21 @@ struct TaskScratch {
   }
 };
 
+// The calling thread's scratch for tasks of head dim D over T tree tokens, kept from one call to the next while D and T
+// stay the same (a decode step's 1, a fixed tree's size): its dozen small buffers are not allocated again for every
+// layer of every step. Each task resets the state it uses before it reads it.
+template <typename scalar_t, typename Acc>
+TaskScratch<scalar_t, Acc>& task_scratch(int64_t D, int64_t T) {
+  thread_local std::unique_ptr<TaskScratch<scalar_t, Acc>> scratch;
+  thread_local int64_t shape[2] = {-1, -1};
+  if (!scratch || shape[0] != D || shape[1] != T) {
+    scratch = std::make_unique<TaskScratch<scalar_t, Acc>>(D, T);
+    shape[0] = D;
+    shape[1] = T;
+  }
+  return *scratch;
+}
+
 // The rows of one task. A row's keys form one sequence: cache slots 0..P-1, then its visible tree keys in index
 // order (for a tree in breadth-first order: its ancestors by depth, then itself). The sequence is cut into blocks of
 // kKeyBlock by position, and each block is folded into the row's running softmax (flash-attention style, so the
@@ -427,11 +443,9 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
   const auto* qp = q.data_ptr<scalar_t>();
   auto* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
-    TaskScratch<scalar_t, Acc> scratch(D, T);
-    std::unique_ptr<HeadKeys<Acc>> window;
-    if (windowed)
-      window = std::make_unique<HeadKeys<Acc>>(D, P, T, kKeyBlock,
-                                               reused<Acc>(HeadKeys<Acc>::size(D, T, kKeyBlock), 1));
+    TaskScratch<scalar_t, Acc>& scratch = task_scratch<scalar_t, Acc>(D, T);
+    std::optional<HeadKeys<Acc>> window;
+    if (windowed) window.emplace(D, P, T, kKeyBlock, reused<Acc>(HeadKeys<Acc>::size(D, T, kKeyBlock), 1));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, r0 = task % blocks * kRows, R = std::min(kRows, rows - r0);
       int64_t tok[kRows], qhead[kRows];
@@ -530,8 +544,10 @@ void attend_batch_into(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   auto attend = [&](int64_t b) {
     const int64_t lo = offsets[b], n = offsets[b + 1] - offsets[b];
     if (n == 0) return;
-    attend_into(q.narrow(0, lo, n), k.select(0, slots[b]), v.select(0, slots[b]), prefix_lens[b],
-                tree_masks.narrow(0, mask_at[b], n * n).view({n, n}), scale, out.narrow(0, lo, n));
+    const bool whole = B == 1;  // (offsets run from 0 to T: all of q and out, without making views of them)
+    attend_into(whole ? q : q.narrow(0, lo, n), k.select(0, slots[b]), v.select(0, slots[b]), prefix_lens[b],
+                (whole ? tree_masks : tree_masks.narrow(0, mask_at[b], n * n)).view({n, n}), scale,
+                whole ? out : out.narrow(0, lo, n));
   };
   if (B == 1) {
     attend(0);
