@@ -116,41 +116,47 @@ inline void check_tree_attention_batch_args(const at::Tensor& q, const at::Tenso
               "flattened), got ", tree_masks.scalar_type(), " ", tree_masks.sizes());
 }
 
-// decoder_layer (CPU only): the layer's tensors against x [T, E] and the cache kv [N, 2, Hkv, S, D] of this layer;
-// each projection packed (pack_linear) from its [out, in] weight. The attention part is then checked as
-// tree_attention_batch's, on the layer's queries.
-inline void check_decoder_layer_args(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
-                                     const at::Tensor& o, const at::Tensor& post_norm, const at::Tensor& gate_up,
-                                     const at::Tensor& down, const at::Tensor& cos, const at::Tensor& sin,
-                                     const at::Tensor& kv, int64_t n_heads, int64_t ffn) {
-  TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, E], got ", x.dim(), " dims");
+// decoder_layers (CPU only): the layers' tensors against x [T, E] and the cache kv [L, N, 2, Hkv, S, D]; weights
+// holds 6 per layer (input_norm, qkv, o, post_norm, gate_up, down), each projection packed (pack_linear) from its
+// [out, in] weight. The attention part is then checked as tree_attention_batch's, on the layers' queries.
+inline void check_decoder_layers_args(const at::Tensor& x, at::TensorList weights, const at::Tensor& cos,
+                                      const at::Tensor& sin, const at::Tensor& kv, int64_t n_heads, int64_t ffn) {
+  TORCH_CHECK(x.dim() == 2, "decoder_layers: x must be [T, E], got ", x.dim(), " dims");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "decoder_layer: x is ", x.scalar_type(), "; float32, bfloat16 and float16 are supported");
-  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.stride(4) == 1,
-              "decoder_layer: kv must be [N, 2, Hkv, S, D] with a contiguous last dim, got ", kv.sizes());
-  const int64_t T = x.size(0), E = x.size(1), Hkv = kv.size(2), D = kv.size(4);
-  TORCH_CHECK(n_heads >= 1 && n_heads % Hkv == 0 && D % 2 == 0, "decoder_layer: n_heads = ", n_heads,
+              "decoder_layers: x is ", x.scalar_type(), "; float32, bfloat16 and float16 are supported");
+  TORCH_CHECK(kv.dim() == 6 && kv.size(2) == 2 && kv.stride(5) == 1,
+              "decoder_layers: kv must be [L, N, 2, Hkv, S, D] with a contiguous last dim, got ", kv.sizes());
+  const int64_t L = kv.size(0), T = x.size(0), E = x.size(1), Hkv = kv.size(3), D = kv.size(5);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L, "decoder_layers: weights must hold 6 tensors a layer "
+              "(input_norm, qkv, o, post_norm, gate_up, down) for kv's ", L, " layers, got ", weights.size());
+  TORCH_CHECK(n_heads >= 1 && n_heads % Hkv == 0 && D % 2 == 0, "decoder_layers: n_heads = ", n_heads,
               " must be a multiple of the cache's ", Hkv, " KV heads, and the head dim ", D, " even");
-  for (const at::Tensor* t : {&input_norm, &qkv, &o, &post_norm, &gate_up, &down, &cos, &sin, &kv})
-    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->device() == x.device() &&
-                    (t == &kv || t->is_contiguous()),
-                "decoder_layer: every tensor must be ", x.scalar_type(), " on ", x.device(),
-                " and contiguous (but kv), like x; got ", t->scalar_type(), " on ", t->device());
-  TORCH_CHECK(input_norm.dim() == 1 && input_norm.size(0) == E && post_norm.dim() == 1 && post_norm.size(0) == E,
-              "decoder_layer: the norms' weights must be [E] = [", E, "]");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "decoder_layer: cos and sin must be [T, D] = [", T, ", ", D, "], got ", cos.sizes(), " and ",
+              "decoder_layers: cos and sin must be [T, D] = [", T, ", ", D, "], got ", cos.sizes(), " and ",
               sin.sizes());
-  const int64_t P = x.scalar_type() == at::kBFloat16 ? 2 : 1;
+  const int64_t P = x.scalar_type() == at::kBFloat16 ? 2 : 1, F = ffn, Hq = n_heads;
   auto packed = [&](const at::Tensor& w, int64_t out, int64_t in) {
     return w.dim() == 4 && w.size(0) == (out + 31) / 32 && w.size(1) == (in + P - 1) / P && w.size(2) == 32 &&
            w.size(3) == P;
   };
-  const int64_t F = ffn, Hq = n_heads;
-  TORCH_CHECK(packed(qkv, (Hq + 2 * Hkv) * D, E) && packed(o, E, Hq * D) && packed(gate_up, 2 * F, E) &&
-                  packed(down, E, F),
-              "decoder_layer: qkv, o, gate_up and down must be pack_linear's of [(Hq + 2 Hkv) D, E], [E, Hq D], "
-              "[2 F, E] and [E, F] weights with E = ", E, ", Hq = ", Hq, ", Hkv = ", Hkv, ", D = ", D, ", F = ", F);
+  for (const at::Tensor& t : weights)
+    TORCH_CHECK(t.scalar_type() == x.scalar_type() && t.device() == x.device() && t.is_contiguous(),
+                "decoder_layers: every tensor must be ", x.scalar_type(), " on ", x.device(),
+                " and contiguous (kv: its last dim), like x; got ", t.scalar_type(), " on ", t.device());
+  for (const at::Tensor* t : {&cos, &sin, &kv})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->device() == x.device() && (t == &kv || t->is_contiguous()),
+                "decoder_layers: every tensor must be ", x.scalar_type(), " on ", x.device(),
+                " and contiguous (kv: its last dim), like x; got ", t->scalar_type(), " on ", t->device());
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor *norm1 = &weights[6 * l], *norm2 = &weights[6 * l + 3];
+    TORCH_CHECK(norm1->dim() == 1 && norm1->size(0) == E && norm2->dim() == 1 && norm2->size(0) == E,
+                "decoder_layers: the norms' weights must be [E] = [", E, "]; layer ", l, "'s are not");
+    TORCH_CHECK(packed(weights[6 * l + 1], (Hq + 2 * Hkv) * D, E) && packed(weights[6 * l + 2], E, Hq * D) &&
+                    packed(weights[6 * l + 4], 2 * F, E) && packed(weights[6 * l + 5], E, F),
+                "decoder_layers: qkv, o, gate_up and down must be pack_linear's of [(Hq + 2 Hkv) D, E], [E, Hq D], "
+                "[2 F, E] and [E, F] weights with E = ", E, ", Hq = ", Hq, ", Hkv = ", Hkv, ", D = ", D, ", F = ", F,
+                "; layer ", l, "'s are not");
+  }
 }
 
 }  // namespace tr_engine

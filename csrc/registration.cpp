@@ -54,18 +54,18 @@ TORCH_LIBRARY(tr_engine, m) {
   m.def("tree_attention_batch(Tensor q, Tensor k, Tensor v, int[] slots, int[] prefix_lens, int[] offsets, "
         "Tensor tree_masks, float scale) -> Tensor");
 
-  // One Llama decoder layer (CPU; the model's fused path for decode steps and tree verifies of packed weights):
+  // Every Llama decoder layer of a step (CPU; the model's path for decode steps and tree verifies of packed weights),
+  // layer l from weights[6l..6l+5] = input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w and its cache kv[l]:
   //   h = x + o_proj(attention(rope(q), rope(k), v)) from qkv = norm(x; input_norm) @ qkv_w.T, then
-  //   out = h + down(silu(gate) * up) from (gate, up) = norm(h; post_norm) @ gate_up_w.T,
+  //   x' = h + down(silu(gate) * up) from (gate, up) = norm(h; post_norm) @ gate_up_w.T,
   // each projection packed by pack_linear ([(Hq + 2 Hkv) D, E], [E, Hq D], [2 F, E], [E, F]), norm the RMSNorm with
   // eps, rope by the rows' cos/sin [T, D] (Hugging Face's half-split layout). The rows are a ragged batch as in
   // tree_attention_batch: sequence b's rows offsets[b].. write their rotated K and V into slot slots[b] of kv
-  // [N, 2, Hkv, S, D] at positions prefix_lens[b].., then attend through their tree mask. Returns out [T, E] in x's
-  // dtype (float32, bfloat16, float16); rounds where the module path's ops would (tr_engine.reference.decoder_layer)
-  // and, like every CPU kernel here, computes each row from that row alone (row-independent).
-  m.def("decoder_layer(Tensor x, Tensor input_norm, Tensor qkv_w, Tensor o_w, Tensor post_norm, Tensor gate_up_w, "
-        "Tensor down_w, Tensor cos, Tensor sin, Tensor(a!) kv, int[] slots, int[] prefix_lens, int[] offsets, "
-        "Tensor tree_masks, int n_heads, int ffn, float eps) -> Tensor");
+  // [L, N, 2, Hkv, S, D] at positions prefix_lens[b].., then attend through their tree mask. Returns the last
+  // layer's output [T, E] in x's dtype (float32, bfloat16, float16); rounds where the module path's ops would
+  // (tr_engine.reference.decoder_layers) and, like every CPU kernel here, computes each row from that row alone.
+  m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor cos, Tensor sin, Tensor(a!) kv, int[] slots, "
+        "int[] prefix_lens, int[] offsets, Tensor tree_masks, int n_heads, int ffn, float eps) -> Tensor");
 }
 
 // `import tr_engine._C` loads this library, which runs the registrations above; the module itself is empty.

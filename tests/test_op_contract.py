@@ -47,7 +47,7 @@ VALID = {
     "tree_attention": tree_args,
     "tree_attention_dynamic": lambda d: tree_args(d, dynamic=True),
     "tree_attention_batch": lambda d: batch_args(d),
-    "decoder_layer": lambda d: layer_args(d),
+    "decoder_layers": lambda d: layer_args(d),
 }
 
 
@@ -60,19 +60,21 @@ def batch_args(device):
     return [q, k, v, [2, 0], [5, 0], [0, 3, 5], masks.to(device), 0.35]
 
 
-def layer_args(device, E=32, Hq=4, Hkv=2, D=8, F=24):
-    """A layer of packed random weights; two sequences of 3 and 2 rows in slots 2 and 0 (batch_args' shapes)."""
+def layer_args(device, L=2, E=32, Hq=4, Hkv=2, D=8, F=24):
+    """L layers of packed random weights; two sequences of 3 and 2 rows in slots 2 and 0 (batch_args' shapes)."""
     g = torch.Generator().manual_seed(4)
-    packed = [reference.pack_linear(torch.randn(n, k, generator=g) / k**0.5)
-              for n, k in (((Hq + 2 * Hkv) * D, E), (E, Hq * D), (2 * F, E), (E, F))]
+    weights = []
+    for _ in range(L):
+        packed = [reference.pack_linear(torch.randn(n, k, generator=g) / k**0.5)
+                  for n, k in (((Hq + 2 * Hkv) * D, E), (E, Hq * D), (2 * F, E), (E, F))]
+        weights += [torch.ones(E), packed[0], packed[1], torch.ones(E), packed[2], packed[3]]
     cos, sin = torch.randn(5, D, generator=g), torch.randn(5, D, generator=g)
-    x, kv = torch.randn(5, E, generator=g), torch.randn(3, 2, Hkv, 16, D, generator=g)
+    x, kv = torch.randn(5, E, generator=g), torch.randn(L, 3, 2, Hkv, 16, D, generator=g)
     *_, slots, prefixes, offsets, masks, _ = batch_args(device)
-    return [x, torch.ones(E), packed[0], packed[1], torch.ones(E), packed[2], packed[3], cos, sin, kv, slots,
-            prefixes, offsets, masks, Hq, F, 1e-5]
+    return [x, weights, cos, sin, kv, slots, prefixes, offsets, masks, Hq, F, 1e-5]
 
 
-CPU_ONLY = {"pack_linear", "packed_linear", "decoder_layer"}  # the blocked layout of the CPU matmul
+CPU_ONLY = {"pack_linear", "packed_linear", "decoder_layers"}  # the blocked layout of the CPU matmul
 
 
 def op_device_cases():
@@ -159,18 +161,21 @@ REFUSED = [
     ("tree_attention_batch", "tree_attention_batch: offsets must not decrease", replace(5, lambda a, d: [0, 6, 5])),
     ("tree_attention_batch", "tree_attention_batch: tree_masks must be bool [", replace(6, lambda a, d: a[6][:-1])),
     ("tree_attention_batch", "tree_attention: prefix_len ", replace(4, lambda a, d: [14, 0])),
-    ("decoder_layer", "decoder_layer: x must be [T, E], got ", replace(0, lambda a, d: a[0][0])),
-    ("decoder_layer", "decoder_layer: x is ", replace(0, lambda a, d: a[0].double())),
-    ("decoder_layer", "decoder_layer: kv must be [N, 2, Hkv, S, D] with a contiguous last dim, got ",
-     replace(9, lambda a, d: a[9][0])),
-    ("decoder_layer", "decoder_layer: n_heads = ", replace(14, lambda a, d: 3)),
-    ("decoder_layer", "decoder_layer: every tensor must be ", replace(1, lambda a, d: a[1].double())),
-    ("decoder_layer", "decoder_layer: the norms' weights must be [E] = [", replace(4, lambda a, d: a[4][:8])),
-    ("decoder_layer", "decoder_layer: cos and sin must be [T, D] = [", replace(7, lambda a, d: a[7][:4])),
-    ("decoder_layer", "decoder_layer: qkv, o, gate_up and down must be pack_linear's of [(Hq + 2 Hkv) D, E], "
-     "[E, Hq D], ", replace(15, lambda a, d: 40)),
-    ("decoder_layer", "tree_attention_batch: two sequences share slot ", replace(10, lambda a, d: [0, 0])),
-    ("decoder_layer", "tree_attention: prefix_len ", replace(11, lambda a, d: [14, 0])),
+    ("decoder_layers", "decoder_layers: x must be [T, E], got ", replace(0, lambda a, d: a[0][0])),
+    ("decoder_layers", "decoder_layers: x is ", replace(0, lambda a, d: a[0].double())),
+    ("decoder_layers", "decoder_layers: kv must be [L, N, 2, Hkv, S, D] with a contiguous last dim, got ",
+     replace(4, lambda a, d: a[4][0])),
+    ("decoder_layers", "decoder_layers: weights must hold 6 tensors a layer ", replace(1, lambda a, d: a[1][:6])),
+    ("decoder_layers", "decoder_layers: n_heads = ", replace(9, lambda a, d: 3)),
+    ("decoder_layers", "decoder_layers: cos and sin must be [T, D] = [", replace(2, lambda a, d: a[2][:4])),
+    ("decoder_layers", "decoder_layers: every tensor must be ",
+     replace(1, lambda a, d: a[1][:7] + [a[1][7].double()] + a[1][8:])),
+    ("decoder_layers", "decoder_layers: the norms' weights must be [E] = [",
+     replace(1, lambda a, d: a[1][:9] + [a[1][9][:8]] + a[1][10:])),
+    ("decoder_layers", "decoder_layers: qkv, o, gate_up and down must be pack_linear's of [(Hq + 2 Hkv) D, E], "
+     "[E, Hq D], ", replace(10, lambda a, d: 40)),
+    ("decoder_layers", "tree_attention_batch: two sequences share slot ", replace(5, lambda a, d: [0, 0])),
+    ("decoder_layers", "tree_attention: prefix_len ", replace(6, lambda a, d: [14, 0])),
 ]
 # Checks that need two devices to fail (a CPU tensor beside a CUDA one): refused on a machine with a GPU.
 CROSS_DEVICE = [

@@ -199,20 +199,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-        # The arguments of ops.decoder_layer that never change, set by Llama.pack_ when the layer may run as one op.
-        self.fused_args: tuple | None = None
 
     def forward(self, x, cos, sin, kv, start, mask, ops):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, mask, ops)
         return x + self.mlp(self.post_attention_layernorm(x), ops.linear)
 
-    def fused(self, x, cos, sin, kv, rows: "RaggedBatch", ops):
-        """forward() as one op (ops.decoder_layer) for a packed CPU layer's decode or verify step: kv [N, 2, Hkv, S,
-        D], each sequence of `rows` in its own slot, through its tree mask. The same math in one pass over the T rows
-        between the matmuls, with no PyTorch op per step of it."""
-        norm1, qkv, o, norm2, gate_up, down, n_heads, ffn, eps = self.fused_args
-        return ops.decoder_layer(x, norm1, qkv, o, norm2, gate_up, down, cos, sin, kv, rows.slots, rows.prefix_lens,
-                                 rows.offsets, rows.tree_masks, n_heads, ffn, eps)
 
 
 class LlamaBody(nn.Module):
@@ -247,7 +238,9 @@ class Llama(nn.Module):
         self.head_weight = None  # [V, E], the LM head as the forward uses it (fuse_, pack_)
         self.rope_cos: torch.Tensor | None = None  # [S, D], from set_max_positions()
         self.rope_sin: torch.Tensor | None = None
-        self.fused_layers = False  # each decoder layer as one op (pack_); a benchmark may turn it off to compare
+        self.fused_layers = False  # the layers as one op (pack_); a benchmark may turn it off to compare
+        self.fused_weights: list[torch.Tensor] = []  # its weights, six a layer, and (n_heads, ffn, eps)
+        self.fused_dims: tuple = ()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -281,16 +274,18 @@ class Llama(nn.Module):
         self.head_weight = pack(self.head_weight)  # a tied head: a packed copy; the embedding stays for the lookup
         self.lm_head.weight = None
         if self.shard.world == 1:  # (tensor parallelism adds partial sums mid-layer: the module path)
+            self.fused_weights = []  # ops.decoder_layers' list: six a layer, views of the module's weights
             for layer in self.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                layer.fused_args = (layer.input_layernorm.weight.detach(), attn.qkv_weight.data, attn.o_weight.data,
-                                    layer.post_attention_layernorm.weight.detach(), mlp.gate_up_weight.data,
-                                    mlp.down_weight.data, attn.n_heads, mlp.gate_up_weight.n // 2,
-                                    layer.input_layernorm.eps)
+                self.fused_weights += [layer.input_layernorm.weight.detach(), attn.qkv_weight.data, attn.o_weight.data,
+                                       layer.post_attention_layernorm.weight.detach(), mlp.gate_up_weight.data,
+                                       mlp.down_weight.data]
+            first = self.model.layers[0]
+            self.fused_dims = (first.self_attn.n_heads, first.mlp.gate_up_weight.n // 2, first.input_layernorm.eps)
         self.fused_layers = self.shard.world == 1
 
     def fused_rows(self, T: int, start, mask: AttentionMask) -> RaggedBatch | None:
-        """The rows of a forward that may run as one op per layer (DecoderLayer.fused), as a ragged batch, or None:
+        """The rows of a forward that may run through ops.decoder_layers, as a ragged batch, or None:
         a packed CPU model's decode and verify steps (a tree mask and an int start, or a batch); prompt chunks and
         other devices take the module path."""
         if not self.fused_layers:
@@ -362,9 +357,10 @@ class Llama(nn.Module):
         if rows is None:
             for layer, kv in zip(self.model.layers, kv_cache):
                 x = layer(x, cos, sin, kv, start, mask, self.ops)
-        else:  # one op per layer; the cache as a batch of one slot when it is one sequence's
-            for layer, kv in zip(self.model.layers, kv_cache if batch is not None else kv_cache[:, None]):
-                x = layer.fused(x, cos, sin, kv, rows, self.ops)
+        else:  # every layer in one op (the cache as a batch of one slot when it is one sequence's), the same math
+            kv = kv_cache if batch is not None else kv_cache[:, None]  # [L, N, 2, Hkv, S, D]
+            x = self.ops.decoder_layers(x, self.fused_weights, cos, sin, kv, rows.slots, rows.prefix_lens,
+                                        rows.offsets, rows.tree_masks, *self.fused_dims)
         if last_logits_only:
             x = x[-1:]
         logits = self.ops.linear(self.model.norm(x), self.head_weight)  # [T, V] (this rank's V alone)

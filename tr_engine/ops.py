@@ -18,7 +18,7 @@ from tr_engine import reference
 from tr_engine.errors import InvalidType, UserError
 
 OP_NAMES = ("compact_kv_", "skinny_linear", "pack_linear", "packed_linear", "recycle_update_", "tree_attention",
-            "tree_attention_dynamic", "tree_attention_batch", "decoder_layer")
+            "tree_attention_dynamic", "tree_attention_batch", "decoder_layers")
 KINDS = ("kernels", "reference")
 # On a CPU, float32, bfloat16 and float16 models keep their projections packed (pack_linear, at load time) and
 # multiply with packed_linear at every row count: each 32-row block of a weight is read once and applied to up to 12
@@ -172,9 +172,8 @@ def _register_fakes() -> None:
     def _(q, k, v, slots, prefix_lens, offsets, tree_masks, scale):
         return q.new_empty(q.shape)
 
-    @torch.library.register_fake("tr_engine::decoder_layer")
-    def _(x, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, cos, sin, kv, slots, prefix_lens, offsets,
-          tree_masks, n_heads, ffn, eps):
+    @torch.library.register_fake("tr_engine::decoder_layers")
+    def _(x, weights, cos, sin, kv, slots, prefix_lens, offsets, tree_masks, n_heads, ffn, eps):
         return x.new_empty(x.shape)
 
 

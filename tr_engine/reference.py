@@ -97,23 +97,28 @@ def tree_attention_dynamic(
     return tree_attention(q, k, v, int(prefix_len), tree_mask, scale)
 
 
-def decoder_layer(x: torch.Tensor, input_norm: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor,
-                  post_norm: torch.Tensor, gate_up_w: torch.Tensor, down_w: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, kv: torch.Tensor, slots: list[int], prefix_lens: list[int], offsets: list[int],
-                  tree_masks: torch.Tensor, n_heads: int, ffn: int, eps: float) -> torch.Tensor:
-    """One decoder layer of a ragged batch of rows, as tr_engine/model.py's module path computes it (DecoderLayer,
-    Attention, MLP), on packed weights: x [T, E] -> [T, E]; the rows' rotated K and their V written into kv
-    [N, 2, Hkv, S, D], sequence b's at slot slots[b], positions prefix_lens[b]..; attention by tree_attention_batch."""
+def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                   kv: torch.Tensor, slots: list[int], prefix_lens: list[int], offsets: list[int],
+                   tree_masks: torch.Tensor, n_heads: int, ffn: int, eps: float) -> torch.Tensor:
+    """Every decoder layer of a ragged batch of rows, as tr_engine/model.py's module path computes them
+    (DecoderLayer, Attention, MLP), on packed weights: x [T, E] -> [T, E]. Layer l takes weights[6l..6l+5] (input
+    norm, qkv, o, post-attention norm, gate_up, down) and writes its rows' rotated K and their V into kv[l]
+    ([N, 2, Hkv, S, D]), sequence b's at slot slots[b], positions prefix_lens[b]..; attention by
+    tree_attention_batch."""
     from tr_engine.model import apply_rope, rms_norm  # (the model imports this module, through tr_engine.ops)
 
     T, E = x.shape
-    Hq, Hkv, D = n_heads, kv.shape[2], kv.shape[4]
-    qkv = packed_linear(rms_norm(x, input_norm, eps), qkv_w, (Hq + 2 * Hkv) * D).view(T, Hq + 2 * Hkv, D)
-    qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq + Hkv, D]
-    for slot, p, lo, hi in zip(slots, prefix_lens, offsets, offsets[1:]):
-        kv[slot, 0, :, p : p + hi - lo] = qk[lo:hi, Hq:].transpose(0, 1)
-        kv[slot, 1, :, p : p + hi - lo] = qkv[lo:hi, Hq + Hkv :].transpose(0, 1)
-    o = tree_attention_batch(qk[:, :Hq], kv[:, 0], kv[:, 1], slots, prefix_lens, offsets, tree_masks, D**-0.5)
-    h = x + packed_linear(o.reshape(T, Hq * D), o_w, E)
-    gate, up = packed_linear(rms_norm(h, post_norm, eps), gate_up_w, 2 * ffn).chunk(2, dim=-1)
-    return h + packed_linear(torch.nn.functional.silu(gate) * up, down_w, E)
+    Hq, Hkv, D = n_heads, kv.shape[3], kv.shape[5]
+    for layer, cache in enumerate(kv):
+        norm1, qkv_w, o_w, norm2, gate_up_w, down_w = weights[6 * layer : 6 * layer + 6]
+        qkv = packed_linear(rms_norm(x, norm1, eps), qkv_w, (Hq + 2 * Hkv) * D).view(T, Hq + 2 * Hkv, D)
+        qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq + Hkv, D]
+        for slot, p, lo, hi in zip(slots, prefix_lens, offsets, offsets[1:]):
+            cache[slot, 0, :, p : p + hi - lo] = qk[lo:hi, Hq:].transpose(0, 1)
+            cache[slot, 1, :, p : p + hi - lo] = qkv[lo:hi, Hq + Hkv :].transpose(0, 1)
+        o = tree_attention_batch(qk[:, :Hq], cache[:, 0], cache[:, 1], slots, prefix_lens, offsets, tree_masks,
+                                 D**-0.5)
+        h = x + packed_linear(o.reshape(T, Hq * D), o_w, E)
+        gate, up = packed_linear(rms_norm(h, norm2, eps), gate_up_w, 2 * ffn).chunk(2, dim=-1)
+        x = h + packed_linear(torch.nn.functional.silu(gate) * up, down_w, E)
+    return x

@@ -1,5 +1,5 @@
 // The CPU kernels that other CPU kernels call directly, below the dispatcher: the fused decoder layer
-// (decoder_layer.cpp) runs a layer's matmuls and attention through these, without a PyTorch op per step.
+// (decoder_layers.cpp) runs a layer's matmuls and attention through these, without a PyTorch op per step.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,5 +1,5 @@
-// CPU kernel of tr_engine::decoder_layer: one whole Llama decoder layer of a decode step or a draft-tree verify, in
-// one op. The model's module path runs ~35 PyTorch ops per layer (RMSNorm alone is eight), each a dispatch, an
+// CPU kernel of tr_engine::decoder_layers: every Llama decoder layer of a decode step or a draft-tree verify, in one
+// op. The model's module path runs ~35 PyTorch ops per layer (RMSNorm alone is eight), each a dispatch, an
 // allocation and a pass over a few KB; on SmolLM2 that glue cost as much as streaming the weights (issue 25,
 // bench/results/step_profile.md). Here the elementwise work (RMSNorm, RoPE, the cache write, SiLU * up, the residual
 // adds) runs in plain loops over the T rows between the layer's four packed matmuls and its attention, which are the
@@ -7,7 +7,7 @@
 //
 // Row independence, kept: every loop computes a row from that row alone, in a fixed order, and the matmuls and the
 // attention are row-independent already, so a verify row's bits are its decode step's and bf16 speculative decoding
-// stays bit-identical to plain decoding. Rounding follows the module path's (tr_engine.reference.decoder_layer):
+// stays bit-identical to plain decoding. Rounding follows the module path's (tr_engine.reference.decoder_layers):
 // each PyTorch op's result is rounded to the model's dtype where that op would round it. Two sums differ in order
 // from PyTorch's (RMSNorm's mean of squares, SiLU's exp), so the op agrees with its reference to a rounding, not to the
 // bit; every method runs the same op, so they still agree with each other bit for bit.
@@ -129,54 +129,55 @@ T* scratch(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
+// One layer's weights: entries 6l..6l+5 of the op's list.
+struct LayerWeights {
+  const at::Tensor &input_norm, &qkv, &o, &post_norm, &gate_up, &down;
+};
+
+// One decoder layer on the residual stream h [T, E] in place; kv [N, 2, Hkv, S, D] is this layer's cache, qkv
+// [T, Hq + 2 Hkv, D] and attended [T, Hq, D] buffers the layers share.
 template <typename T>
-at::Tensor layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv_w, const at::Tensor& o_w,
-                 const at::Tensor& post_norm, const at::Tensor& gate_up_w, const at::Tensor& down_w,
-                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv, at::IntArrayRef slots,
-                 at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const at::Tensor& tree_masks, const Dims& d,
-                 double eps, at::Tensor& qkv) {
+void layer(T* h, const LayerWeights& w, const T* cos, const T* sin, const at::Tensor& kv, at::IntArrayRef slots,
+           at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const at::Tensor& tree_masks, const Dims& d,
+           float eps, at::Tensor& qkv, at::Tensor& attended) {
   static thread_local std::vector<T> norm_buf, gate_up_buf, act_buf, proj_buf;
   const int64_t T_ = d.T, E = d.E, F = d.F, heads = d.Hq + 2 * d.Hkv;
   // The matmuls read their input rows in column pairs (bf16: P = 2); the rows they read are padded to that.
-  const int64_t P = qkv_w.size(3), ld_norm = qkv_w.size(1) * P, ld_act = down_w.size(1) * P;
-  auto out = x.clone();  // the residual stream: x + attention, then + MLP
-  T* h = out.data_ptr<T>();
+  const int64_t P = w.qkv.size(3), ld_norm = w.qkv.size(1) * P, ld_act = w.down.size(1) * P;
   T* normed = scratch(norm_buf, T_ * ld_norm);
   T* proj = scratch(proj_buf, T_ * E);
   // attention: norm, q/k/v, RoPE and the cache write, attention, o_proj, residual
-  rms_norm_rows(h, input_norm.data_ptr<T>(), normed, ld_norm, T_, E, static_cast<float>(eps));
-  tr_engine_cpu::packed_rows(normed, ld_norm, qkv_w.data_ptr<T>(), qkv.data_ptr<T>(), T_, qkv_w.size(1), heads * d.D);
+  rms_norm_rows(h, w.input_norm.data_ptr<T>(), normed, ld_norm, T_, E, eps);
+  tr_engine_cpu::packed_rows(normed, ld_norm, w.qkv.data_ptr<T>(), qkv.data_ptr<T>(), T_, w.qkv.size(1), heads * d.D);
   const int64_t kv_strides[4] = {kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3)};
-  rope_and_cache(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), d, kv.data_ptr<T>(), kv_strides, slots,
-                 prefix_lens, offsets);
-  auto attended = at::empty({T_, d.Hq, d.D}, x.options());
+  rope_and_cache(qkv.data_ptr<T>(), cos, sin, d, kv.data_ptr<T>(), kv_strides, slots, prefix_lens, offsets);
   tr_engine_cpu::attend_batch_into(qkv.narrow(1, 0, d.Hq), kv.select(1, 0), kv.select(1, 1), slots, prefix_lens,
                                    offsets, tree_masks, std::pow(static_cast<double>(d.D), -0.5), attended);
-  tr_engine_cpu::packed_rows(attended.data_ptr<T>(), d.Hq * d.D, o_w.data_ptr<T>(), proj, T_, o_w.size(1), E);
+  tr_engine_cpu::packed_rows(attended.data_ptr<T>(), d.Hq * d.D, w.o.data_ptr<T>(), proj, T_, w.o.size(1), E);
   add_into(h, proj, T_ * E);
   // MLP: norm, gate/up, SiLU * up, down_proj, residual
-  rms_norm_rows(h, post_norm.data_ptr<T>(), normed, ld_norm, T_, E, static_cast<float>(eps));
+  rms_norm_rows(h, w.post_norm.data_ptr<T>(), normed, ld_norm, T_, E, eps);
   T* gate_up = scratch(gate_up_buf, T_ * 2 * F);
-  tr_engine_cpu::packed_rows(normed, ld_norm, gate_up_w.data_ptr<T>(), gate_up, T_, gate_up_w.size(1), 2 * F);
+  tr_engine_cpu::packed_rows(normed, ld_norm, w.gate_up.data_ptr<T>(), gate_up, T_, w.gate_up.size(1), 2 * F);
   T* act = scratch(act_buf, T_ * ld_act);
   silu_mul_rows(gate_up, act, ld_act, T_, F);
-  tr_engine_cpu::packed_rows(act, ld_act, down_w.data_ptr<T>(), proj, T_, down_w.size(1), E);
+  tr_engine_cpu::packed_rows(act, ld_act, w.down.data_ptr<T>(), proj, T_, w.down.size(1), E);
   add_into(h, proj, T_ * E);
-  return out;
 }
 
-at::Tensor decoder_layer_cpu(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv_w,
-                             const at::Tensor& o_w, const at::Tensor& post_norm, const at::Tensor& gate_up_w,
-                             const at::Tensor& down_w, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv,
-                             at::IntArrayRef slots, at::IntArrayRef prefix_lens, at::IntArrayRef offsets,
-                             const at::Tensor& tree_masks, int64_t n_heads, int64_t ffn, double eps) {
-  tr_engine::check_decoder_layer_args(x, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, cos, sin, kv, n_heads,
-                                      ffn);
-  const Dims d{x.size(0), x.size(1), n_heads, kv.size(2), kv.size(4), ffn};
+// Every layer in turn, in one call: a step's 30 layers cost one dispatch, one set of checks and three allocations,
+// where one op per layer paid those 30 times (~15 us each, half a millisecond of a 9 ms SmolLM2 step).
+at::Tensor decoder_layers_cpu(const at::Tensor& x, at::TensorList weights, const at::Tensor& cos,
+                              const at::Tensor& sin, at::Tensor kv, at::IntArrayRef slots,
+                              at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const at::Tensor& tree_masks,
+                              int64_t n_heads, int64_t ffn, double eps) {
+  tr_engine::check_decoder_layers_args(x, weights, cos, sin, kv, n_heads, ffn);
+  const Dims d{x.size(0), x.size(1), n_heads, kv.size(3), kv.size(5), ffn};
   // The q/k/v projection's output, [T, Hq + 2 Hkv, D]: its q heads are the attention's queries, so the attention's
-  // checks (tree_attention_batch's) run on them before anything is computed or written.
+  // checks (tree_attention_batch's, on the first layer's cache: every layer's has its shape) run on them before
+  // anything is computed or written.
   auto qkv = at::empty({d.T, d.Hq + 2 * d.Hkv, d.D}, x.options());
-  const auto q = qkv.narrow(1, 0, d.Hq), k = kv.select(1, 0), v = kv.select(1, 1);
+  const auto q = qkv.narrow(1, 0, d.Hq), k = kv.select(0, 0).select(1, 0), v = kv.select(0, 0).select(1, 1);
   tr_engine::check_tree_attention_batch_args(q, k, v, slots, prefix_lens, offsets, tree_masks);
   for (int64_t b = 0, mask_at = 0; b < static_cast<int64_t>(slots.size()); ++b) {
     const int64_t n = offsets[b + 1] - offsets[b];
@@ -184,20 +185,25 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x, const at::Tensor& input_norm, 
                                          prefix_lens[b], tree_masks.narrow(0, mask_at, n * n).view({n, n}));
     mask_at += n * n;
   }
-  const auto xc = x.contiguous();
+  auto out = x.contiguous().clone();  // the residual stream, through every layer
+  auto attended = at::empty({d.T, d.Hq, d.D}, x.options());
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (int64_t l = 0; l < kv.size(0); ++l) {
+      const LayerWeights w{weights[6 * l], weights[6 * l + 1], weights[6 * l + 2],
+                           weights[6 * l + 3], weights[6 * l + 4], weights[6 * l + 5]};
+      layer<T>(out.data_ptr<T>(), w, cos.data_ptr<T>(), sin.data_ptr<T>(), kv.select(0, l), slots, prefix_lens,
+               offsets, tree_masks, d, static_cast<float>(eps), qkv, attended);
+    }
+  };
   switch (x.scalar_type()) {
-    case at::kFloat:
-      return layer<float>(xc, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, cos, sin, kv, slots, prefix_lens,
-                          offsets, tree_masks, d, eps, qkv);
-    case at::kBFloat16:
-      return layer<c10::BFloat16>(xc, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, cos, sin, kv, slots,
-                                  prefix_lens, offsets, tree_masks, d, eps, qkv);
-    default:
-      return layer<c10::Half>(xc, input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, cos, sin, kv, slots,
-                              prefix_lens, offsets, tree_masks, d, eps, qkv);
+    case at::kFloat: run(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
+    default: run(static_cast<c10::Half*>(nullptr)); break;
   }
+  return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(tr_engine, CPU, m) { m.impl("decoder_layer", &decoder_layer_cpu); }
+TORCH_LIBRARY_IMPL(tr_engine, CPU, m) { m.impl("decoder_layers", &decoder_layers_cpu); }
