@@ -13,8 +13,8 @@ MODEL       ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
 
-.PHONY: install model chat serve generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-soak \
-        bench-serve cuda-check gpu-check clean
+.PHONY: install model chat serve generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-peers \
+        bench-soak bench-serve cuda-check gpu-check clean
 
 $(VENV)/.deps: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,12 @@ bench-kernels: install
 
 bench-step: model
 	$(PY) -m bench.verify_step
+	$(PY) -m bench.step_profile
+
+# llama.cpp beside us on this CPU (same weights, prompts, threads); builds llama.cpp once into the cache (~15 minutes
+# on 2 cores, cmake and a C++ compiler needed), then about 10 minutes.
+bench-peers: model
+	$(PY) -m bench.peers
 
 # 300 piped chat turns in one process, resident memory every 25 (about 10 minutes here).
 bench-soak: model

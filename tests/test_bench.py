@@ -241,3 +241,75 @@ def test_chat_shape_runs_the_chat_command_on_a_random_checkpoint_of_a_shape(tmp_
     for r in (ar, default):
         assert 0 < r["rss_after_load_bytes"] <= r["peak_bytes"] and all(t["tokens"] > 0 for t in r["turns"])
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+FAKE_LLAMA = """#!/bin/sh
+# A stand-in for a llama.cpp tool: its timing lines on stderr, as the real one prints them.
+case "$0" in
+  *completion) echo "common_perf_print: prompt eval time =      40.00 ms /    42 tokens (    0.95 ms per token)" >&2
+               echo "common_perf_print:        eval time =    1000.00 ms /   100 runs   (   10.00 ms per token)" >&2
+               printf 'Paris is the capital.' ;;
+  *lookup)     echo "encoded   42 tokens in    0.050 seconds, speed:  840.000 t/s" >&2
+               echo "decoded  101 tokens in    0.800 seconds, speed:  126.250 t/s" >&2
+               echo "n_drafted    = 40" >&2
+               echo "n_accept     = 30" >&2
+               printf '%s%s' "$4" 'Paris is the capital.' ;;
+esac
+"""
+
+
+def test_peers_reads_llama_cpps_timings_and_sets_the_engines_side_by_side(tmp_path):
+    """bench.peers without building llama.cpp: its output parsed from stand-in tools, then the table written from
+    them and our rows, the ratios the acceptance reads computed from the totals."""
+    from bench.peers import run_llama, split, summary, write
+
+    for tool in ("llama-completion", "llama-lookup"):
+        (tmp_path / tool).write_text(FAKE_LLAMA)
+        (tmp_path / tool).chmod(0o755)
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    plain = run_llama(tmp_path, "llama-completion", tmp_path / "m.gguf", prompt, 128, 2)
+    assert plain == dict(prompt_tokens=42, prefill_s=0.04, decode_tokens=100, decode_s=1.0,
+                         text="Paris is the capital.")
+    lookup = run_llama(tmp_path, "llama-lookup", tmp_path / "m.gguf", prompt, 128, 2, 3, tmp_path / "cache.bin")
+    assert lookup["text"] == plain["text"] and (lookup["drafted"], lookup["accepted"]) == (40, 30)
+    assert lookup["decode_tokens"] / lookup["decode_s"] == pytest.approx(126.25)
+    lookup["same_text_as_plain"] = True
+
+    def ours(tokens, seconds, steps):
+        return dict(prompt_tokens=42, prefill_s=0.03, decode_tokens=tokens, decode_s=seconds, steps=steps,
+                    same_tokens_as_plain=True)
+
+    rows = {"llama.cpp": [plain], "llama.cpp lookup 3": [lookup], "ar": [ours(100, 0.95, 100)],
+            "hybrid": [ours(100, 0.5, 50)], "tr": [ours(100, 0.55, 52)], "pld": [ours(100, 0.8, 70)]}
+    assert summary(rows["hybrid"])["mat"] == pytest.approx(101 / 51)
+    data = {"questions": 1, "per_group": 1, "warm_up": 6, "max_new_tokens": 128, "threads": 2,
+            "llama_cpp_python": "0.3.36", "results": {"bfloat16": dict(weight_bytes=269_000_000,
+                                                                       bandwidth_gb_s=[30.0, 40.0, 35.0],
+                                                                       rows=rows)}}
+    text = write(tmp_path / "out", data, {"cpu": "test", "cores": 2, "threads": 2, "torch": "x", "python": "y",
+                                          "commit": "z"})
+    assert "floor 7.69 ms/token" in text  # 269 MB at the median 35 GB/s
+    assert "| llama.cpp | plain | 100.0 | 1.00x | 10.00 | 77% |" in text
+    assert "| tr-engine | ar | 105.3 | 1.05x |" in text
+    assert "Best of ours (hybrid) / best of llama.cpp's (llama.cpp lookup 3): **1.58x**" in text
+    assert "Plain against plain: **1.05x**" in text
+    assert "text" not in json.loads((tmp_path / "out" / "peers.json").read_text())["results"]["bfloat16"]["rows"][
+        "llama.cpp"][0]
+    questions = [{"category": c} for c in ("writing", "translation", "writing", "translation", "qa")]
+    warm, measured = split(questions, 1)
+    assert warm == [questions[0], questions[1], questions[4]] and measured == [questions[2], questions[3]]
+
+
+def test_step_profile_breaks_both_paths_down_on_a_tiny_model(tiny_factory, tmp_path):
+    folder = tiny_factory("profile", dtype=torch.bfloat16, vocab_size=300, std=0.5, max_positions=8192)
+    proc = run_module("bench.step_profile", "--model", str(folder), "--dtypes", "bfloat16", "--prefix", "32",
+                      "--reps", "3", "--rounds", "2", "--tokens", "6", "--threads", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads((tmp_path / "step_profile.json").read_text())["results"]["bfloat16"]
+    for shape in ("plain step", "8-token verify"):
+        parts = got["shapes"][shape]
+        assert set(parts["forward"]) == {"module path (before)", "fused layers (after)"}
+        assert all(ms > 0 for ms in (*parts["forward"].values(), parts["matmuls"], parts["attention"]))
+    assert set(got["host"]) == {"module path (before)", "fused layers (after)"}
+    text = (tmp_path / "step_profile.md").read_text()
+    assert text.count("| plain step |") == 2 and text.count("| 8-token verify |") == 2
