@@ -89,8 +89,8 @@ inline void check_tree_attention_dynamic_args(const at::Tensor& q, const at::Ten
   check_tree_attention_args(q, k, v, 0, tree_mask);
 }
 
-// tree_attention_batch: the batch's shape (each sequence's own rows are then checked as tree_attention's). k, v are
-// one layer of the batch cache, [N, Hkv, S, D]; slots, prefix_lens and offsets are host lists.
+// tree_attention_batch: the batch's shape, then each sequence's own rows as tree_attention's, all before anything is
+// computed. k, v are one layer of the batch cache, [N, Hkv, S, D]; slots, prefix_lens and offsets are host lists.
 inline void check_tree_attention_batch_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             at::IntArrayRef slots, at::IntArrayRef prefix_lens,
                                             at::IntArrayRef offsets, const at::Tensor& tree_masks) {
@@ -114,6 +114,12 @@ inline void check_tree_attention_batch_args(const at::Tensor& q, const at::Tenso
   TORCH_CHECK(tree_masks.dim() == 1 && tree_masks.scalar_type() == at::kBool && tree_masks.numel() == masks,
               "tree_attention_batch: tree_masks must be bool [", masks, "] (each sequence's T_b x T_b mask, "
               "flattened), got ", tree_masks.scalar_type(), " ", tree_masks.sizes());
+  for (int64_t b = 0, mask_at = 0; b < B; ++b) {
+    const int64_t n = offsets[b + 1] - offsets[b];
+    check_tree_attention_args(q.narrow(0, offsets[b], n), k.select(0, slots[b]), v.select(0, slots[b]),
+                              prefix_lens[b], tree_masks.narrow(0, mask_at, n * n).view({n, n}));
+    mask_at += n * n;
+  }
 }
 
 // decoder_layers (CPU only): the layers' tensors against x [T, E] and the cache kv [L, N, 2, Hkv, S, D]; weights

@@ -179,12 +179,6 @@ at::Tensor decoder_layers_cpu(const at::Tensor& x, at::TensorList weights, const
   auto qkv = at::empty({d.T, d.Hq + 2 * d.Hkv, d.D}, x.options());
   const auto q = qkv.narrow(1, 0, d.Hq), k = kv.select(0, 0).select(1, 0), v = kv.select(0, 0).select(1, 1);
   tr_engine::check_tree_attention_batch_args(q, k, v, slots, prefix_lens, offsets, tree_masks);
-  for (int64_t b = 0, mask_at = 0; b < static_cast<int64_t>(slots.size()); ++b) {
-    const int64_t n = offsets[b + 1] - offsets[b];
-    tr_engine::check_tree_attention_args(q.narrow(0, offsets[b], n), k.select(0, slots[b]), v.select(0, slots[b]),
-                                         prefix_lens[b], tree_masks.narrow(0, mask_at, n * n).view({n, n}));
-    mask_at += n * n;
-  }
   auto out = x.contiguous().clone();  // the residual stream, through every layer
   auto attended = at::empty({d.T, d.Hq, d.D}, x.options());
   auto run = [&](auto* tag) {

@@ -502,17 +502,10 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   return out;
 }
 
-// The batch's shape, then each sequence's rows as tree_attention's, are checked before any is computed.
 at::Tensor tree_attention_batch_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     at::IntArrayRef slots, at::IntArrayRef prefix_lens, at::IntArrayRef offsets,
                                     const at::Tensor& tree_masks, double scale) {
   tr_engine::check_tree_attention_batch_args(q, k, v, slots, prefix_lens, offsets, tree_masks);
-  for (int64_t b = 0, mask_at = 0; b < static_cast<int64_t>(slots.size()); ++b) {
-    const int64_t n = offsets[b + 1] - offsets[b];
-    tr_engine::check_tree_attention_args(q.narrow(0, offsets[b], n), k.select(0, slots[b]), v.select(0, slots[b]),
-                                         prefix_lens[b], tree_masks.narrow(0, mask_at, n * n).view({n, n}));
-    mask_at += n * n;
-  }
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   tr_engine_cpu::attend_batch_into(q, k, v, slots, prefix_lens, offsets, tree_masks, scale, out);
   return out;
