@@ -4,6 +4,11 @@ Module names equal the Hugging Face checkpoint keys, so loading is a strict `loa
 prefill, plain decoding and draft-tree verification: the caller passes the new tokens' positions, the cache slot where
 they go, and whether they attend causally or through a tree mask.
 
+The modules below are the readable model, and every forward on a GPU, under tensor parallelism and of a prompt runs
+them. A packed CPU model's decode and verify steps run the same math as one op for all the layers
+(ops.decoder_layers, csrc/cpu/decoder_layers.cpp): ~35 small PyTorch ops per layer cost as much as streaming the
+weights there (bench/results/step_profile.md).
+
 Under tensor parallelism (tr_engine/parallel.py) each rank builds the layers of its own slice (`local_config`: its
 heads, its part of the FFN, its rows of the vocabulary), adds the partial outputs of o_proj and down_proj across ranks,
 and gathers the logits, so the forward returns every rank the whole model's logits; or, with `gather=False`, its own
@@ -103,8 +108,8 @@ class RaggedBatch:
     prefix_lens: list[int]
     offsets: list[int]
     tree_masks: torch.Tensor
-    seq: torch.Tensor
-    pos: torch.Tensor
+    seq: torch.Tensor | None  # (the module path's cache write; ops.decoder_layers derives them from the lists)
+    pos: torch.Tensor | None
 
 
 class Attention(nn.Module):
@@ -199,11 +204,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-
     def forward(self, x, cos, sin, kv, start, mask, ops):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, mask, ops)
         return x + self.mlp(self.post_attention_layernorm(x), ops.linear)
-
 
 
 class LlamaBody(nn.Module):
@@ -285,9 +288,8 @@ class Llama(nn.Module):
         self.fused_layers = self.shard.world == 1
 
     def fused_rows(self, T: int, start, mask: AttentionMask) -> RaggedBatch | None:
-        """The rows of a forward that may run through ops.decoder_layers, as a ragged batch, or None:
-        a packed CPU model's decode and verify steps (a tree mask and an int start, or a batch); prompt chunks and
-        other devices take the module path."""
+        """The rows of a forward that may run through ops.decoder_layers, as a ragged batch, or None: a packed CPU
+        model's decode and verify steps (a tree mask, or a batch); prompt chunks take the module path."""
         if not self.fused_layers:
             return None
         if mask.batch is not None:
