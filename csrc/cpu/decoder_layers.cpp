@@ -12,7 +12,6 @@
 // from PyTorch's (RMSNorm's mean of squares, SiLU's exp), so the op agrees with its reference to a rounding, not to the
 // bit; every method runs the same op, so they still agree with each other bit for bit.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "../op_checks.h"
