@@ -53,6 +53,22 @@ def tiny_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def markov_folder(tiny_factory):
+    """A float64 tiny Llama whose attention adds nothing (o_proj zeroed): its next token depends on the current one
+    alone, so greedy decoding soon runs around a cycle, prompt lookup finds its continuation, and a recycling matrix
+    that has seen a token drafts exactly the model's choices after it. Drafting pays there on any machine: the
+    workload of the "it drafts" guards. Its K/V are still computed and cached like any model's."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_factory("markov", dtype=torch.float64, vocab_size=300, std=0.5)
+    weights = load_file(folder / "model.safetensors")
+    if any(w.any() for name, w in weights.items() if name.endswith("o_proj.weight")):
+        save_file({name: w.zero_() if name.endswith("o_proj.weight") else w for name, w in weights.items()},
+                  folder / "model.safetensors")
+    return folder
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir():
     from tr_engine.models import DEFAULT_MODEL, resolve_model
 
