@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tr_engine import speculative
 from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.decode import plain_generate, prefill
-from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
+from tr_engine.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
 from tr_engine.errors import UserError
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
@@ -115,7 +115,8 @@ def test_the_noise_of_a_position_depends_only_on_the_seed_and_the_position():
     a, b = Sampler(Sampling(1.0), 3), Sampler(Sampling(1.0), 3)
     late = a.noise(300, 100)
     assert all(torch.equal(a.noise(j, 100), b.noise(j, 100)) for j in range(5)) and torch.equal(b.noise(300, 100), late)
-    assert not torch.equal(a.noise(1, 100), a.noise(2, 100)) and not torch.equal(a.noise(1, 100), Sampler(Sampling(1.0), 4).noise(1, 100))
+    assert not torch.equal(a.noise(1, 100), a.noise(2, 100))
+    assert not torch.equal(a.noise(1, 100), Sampler(Sampling(1.0), 4).noise(1, 100))
 
 
 # --- over draft trees -----------------------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def exact_first_tokens(model, prompt, sampling, depth=3) -> dict[tuple, float]:
         p = probabilities(prefill(model, cache, prompt + list(prefix)), sampling)
         return p / p.sum()
 
-    dist, frontier = {}, [((), 1.0)]
+    frontier = [((), 1.0)]
     for _ in range(depth):
         nxt = []
         for prefix, mass in frontier:
@@ -266,8 +267,8 @@ def naive_accept(draft, logits, sampler, j):
     while True:
         p = probabilities(logits[node], sampler.sampling)
         p = p / p.sum()
-        child = next((c for c in draft.tree.children[node] if float(torch.rand(1, generator=rng)) < float(p[tokens[c]])),
-                     None)
+        child = next((c for c in draft.tree.children[node]
+                      if float(torch.rand(1, generator=rng)) < float(p[tokens[c]])), None)
         if child is None:
             return path, [tokens[i] for i in path] + [sampler.draw(logits[node], j + len(path))]
         path.append(child)
@@ -312,6 +313,95 @@ def test_the_test_sees_a_five_point_shift_in_one_tokens_probability(small):
     for i in fair:
         counts[seqs[i]] = counts.get(seqs[i], 0) + 1
     assert distribution_p_value(counts, exact, SAMPLES) > 1e-3
+
+
+def score_z(p: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
+    """Two statistics of draws x [n], each x[i] drawn from its own exact distribution p[i] ([n, V]) given everything
+    before it, both standard normal if every draw has its p (a sum of martingale differences over its standard
+    deviation):
+    - the most likely token: sum of [x = argmax p] - max p, over sqrt(sum max p (1 - max p)). It is the score test
+      for a bias on the most likely token (p_top scaled by a factor), the most powerful test against it for small
+      factors;
+    - the log-likelihood: sum of log p(x) - E_p log p, over its standard deviation: draws from any other distribution
+      (logits computed on a wrong cache, say) move it."""
+    q, top = p.max(dim=1)
+    logp = torch.where(p > 0, p.log(), torch.zeros_like(p))
+    mean = (p * logp).sum(dim=1)
+    ll_var = (p * logp * logp).sum(dim=1) - mean**2
+    z_top = ((x == top).double() - q).sum() / (q * (1 - q)).sum().sqrt()
+    z_ll = (logp.gather(1, x[:, None])[:, 0] - mean).sum() / ll_var.sum().sqrt()
+    return float(z_top), float(z_ll)
+
+
+# Draws of the synthetic walk below (about 6 s). The test's power against a bias f on the most likely token (p_top is
+# 1/2 at every step, so the bias shifts it by d = p f / (1 + p (f - 1)) - p, and z's mean is sqrt(WALK_DRAWS) d / 0.5)
+# at |z| < 4: f = 1.05: mean 10.9, power > 99.9%; f = 1.03: mean 6.6, power 99.5%; f = 1.02: mean 4.4, power 67%.
+WALK_DRAWS = 200_000
+
+
+def test_the_tree_walk_has_power_against_a_small_bias_on_the_most_likely_token():
+    """Where the chi-square test above has power from a shift of about 10% in one token, this one sees 3-5%: many
+    draws, made cheap by a synthetic model. The model: a Markov chain over 16 tokens whose most likely next token
+    always has probability 1/2 (where such a bias shows most); the drafts: the paper's tree from a matrix holding
+    each token's 8 most likely successors. accept_sampled walks each step's tree with the engine's Sampler, so every
+    committed token is one of the engine's draws, and the statistics (score_z) hold them to the chain's
+    probabilities."""
+    V = 16
+    g = torch.Generator().manual_seed(0)
+    probs = torch.empty(V, V, dtype=torch.float64)
+    for c in range(V):
+        rest = torch.rand(V - 1, generator=g, dtype=torch.float64) + 0.2
+        probs[c, torch.randperm(V, generator=g)] = torch.cat([torch.tensor([0.5], dtype=torch.float64),
+                                                              0.5 * rest / rest.sum()])
+    logits = probs.log()
+    tree = load_tree("2.2.2")
+    ranked = probs.argsort(dim=1, descending=True)
+    drafts = {}  # root -> the step's draft (the matrix never changes) and its nodes' logits
+    for root in range(V):
+        tokens = [root]
+        for parent, rank in zip(tree.parent.tolist()[1:], tree.rank.tolist()[1:]):
+            tokens.append(int(ranked[tokens[parent], rank]))
+        tokens = torch.tensor(tokens)
+        drafts[root] = (Draft(tree, tokens), logits[tokens])
+    sampler, walk, steps = Sampler(Sampling(1.0), 0), [0], 0
+    with one_thread():
+        while len(walk) <= WALK_DRAWS:
+            draft, node_logits = drafts[walk[-1]]
+            walk += speculative.accept_sampled(draft, node_logits, sampler, len(walk) - 1)[1]
+            steps += 1
+    assert (len(walk) - 1) / steps > 1.5  # the walk descends: most draws are taken below the root
+    walk = torch.tensor(walk)
+    top, ll = score_z(probs[walk[:-1]], walk[1:])
+    assert abs(top) < 4 and abs(ll) < 4, (top, ll)
+
+
+def test_long_sampled_generations_keep_the_models_conditionals(small, monkeypatch):
+    """Sampled Token Recycling over 24 tokens a run, so that later steps read K/V that compaction moved: every token
+    is held to the model's exact distribution given what came before it, from a fresh prefill of the prompt and the
+    run (score_z). Runs share a hot matrix; the test records that accepted nodes moved (paths past rejected
+    siblings)."""
+    sampling, n, runs = Sampling(1.0), 24, 100
+    moved = []
+    compact = speculative.compact
+    monkeypatch.setattr(speculative, "compact", lambda cache, path, ops:
+                        moved.append(path != list(range(1, len(path) + 1))) or compact(cache, path, ops))
+    small.set_max_positions(512)
+    drafter = make_drafter("tr", small.config.vocab_size)
+    cache, fresh = KVCache(small.config, 512, torch.float64, "cpu"), KVCache(small.config, 512, torch.float64, "cpu")
+    p, x = [], []
+    with one_thread():
+        for seed in range(runs):
+            cache.length = min(cache.length, len(PROMPT) - 1)  # the prompt but its last token, cached
+            out = speculative_generate(small, cache, PROMPT, drafter, n, (), small.ops, None, Sampler(sampling, seed))
+            assert len(out.token_ids) == n
+            fresh.reset()
+            logits = prefill(small, fresh, PROMPT + out.token_ids[:-1], all_logits=True)[len(PROMPT) - 1:]
+            p += [probabilities(row, sampling) for row in logits]
+            x += out.token_ids
+    assert sum(moved) > runs  # more than one step a run read K/V that compaction had moved
+    p = torch.stack(p)
+    top, ll = score_z(p / p.sum(dim=1, keepdim=True), torch.tensor(x))
+    assert abs(top) < 4 and abs(ll) < 4, (top, ll)
 
 
 @pytest.fixture(scope="module")
