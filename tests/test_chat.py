@@ -69,16 +69,17 @@ def test_second_turn_prefills_exactly_the_new_turn_on_the_default_model(smollm2,
     assert prefilled == len(ids) - len(cached)  # the answer's last token, then the new turn's template and text
 
 
-@pytest.mark.parametrize("method", ["ar", "tr", "pld"])
-def test_chat_answers_equal_generate_on_the_same_conversation(tiny_engine, tiny_factory, method):
+@pytest.mark.parametrize("method", ["ar", "tr", "pld", "hybrid"])
+def test_chat_answers_equal_plain_decoding_on_the_same_conversation(tiny_engine, tiny_factory, method):
+    """Every answer of a chat (its cache reused turn after turn, drafting with `method`) is plain decoding's on a
+    fresh engine, given the conversation so far."""
     session = Session(tiny_engine, method, max_new_tokens=12, system="be brief", seed_from_prompt=False)
+    fresh = Engine.from_pretrained(str(tiny_factory("chat", dtype=torch.float64, vocab_size=300)), dtype="float64")
     for text in ("hello there", "and again", "one more"):
         session.ask(text, Sink())
-    fresh = Engine.from_pretrained(str(tiny_factory("chat", dtype=torch.float64, vocab_size=300)), dtype="float64")
-    history = session.messages[:-1]  # everything before the last answer
-    want = fresh.generate(history, max_new_tokens=12, method=method)
-    assert session.results[-1].token_ids == want.token_ids
-    assert session.messages[-1]["content"] == want.text
+        want = fresh.generate(session.messages[:-1], max_new_tokens=12, method="ar")  # all before this answer
+        assert session.results[-1].token_ids == want.token_ids
+        assert session.messages[-1]["content"] == want.text
 
 
 def test_interrupted_answer_is_kept_and_the_next_turn_works(tiny_engine):
@@ -109,12 +110,12 @@ def test_piped_two_turn_conversation_remembers_the_first_turn(smollm2):
     answers = proc.stdout.strip().split("\n")
     assert len(answers) == 2, proc.stdout
     assert "Paris" in answers[1]
-    # The chat's answer is Engine.generate's on the same conversation (fresh cache, same greedy tokens).
+    # The chat's answer (the default method, its cache reused) is plain decoding's on the same conversation.
     conversation = [{"role": "user", "content": "I live in Paris."}, {"role": "assistant", "content": answers[0]},
                     {"role": "user", "content": "Which city do I live in?"}]
-    assert smollm2.generate(conversation, max_new_tokens=30, method="tr").text == answers[1]
+    assert smollm2.generate(conversation, max_new_tokens=30, method="ar").text == answers[1]
     assert len(re.findall(r"^\[\d+ tokens, .* tok/s, MAT ", proc.stderr, re.M)) == 2, proc.stderr  # stats: stderr
-    alone = smollm2.generate(conversation[2:], max_new_tokens=30, method="tr").text  # (what the chat would answer)
+    alone = smollm2.generate(conversation[2:], max_new_tokens=30, method="ar").text  # (what the chat would answer)
     assert "Paris" not in alone  # the second answer came from the conversation, not the question alone
 
 
@@ -220,11 +221,15 @@ def test_corrupt_matrix_file_is_refused_and_left_alone(tiny_factory, tmp_path):
 
 
 def test_prompt_answers_once(tiny_factory, tmp_path):
-    matrix = tmp_path / "m.pt"
-    proc = run_chat("--model", str(tiny_factory("chat-once")), "--prompt", "hi", "--max-new-tokens", "8",
+    """--prompt: the answer to that one message, with the system prompt, as plain decoding gives it; then the chat
+    exits and saves its matrix."""
+    matrix, folder = tmp_path / "m.pt", str(tiny_factory("chat-once"))
+    proc = run_chat("--model", folder, "--prompt", "hi there", "--system", "be brief", "--max-new-tokens", "8",
                     "--matrix", str(matrix))
     assert proc.returncode == 0, proc.stderr
-    assert len(proc.stdout.splitlines()) >= 1 and matrix.is_file()
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    want = Engine.from_pretrained(folder).generate(conversation, max_new_tokens=8, method="ar").text
+    assert proc.stdout == want + "\n" and matrix.is_file()
 
 
 def test_a_refused_turn_is_reported_and_the_chat_goes_on(tiny_factory):
