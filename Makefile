@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
 
 .PHONY: install model chat serve generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-peers \
-        bench-soak bench-serve cuda-check gpu-check clean
+        bench-soak bench-serve cuda-check gpu-check mutants clean
 
 $(VENV)/.deps: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ test: model
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+# Plants known bugs one at a time in a copy of the tree and reports the tests that catch each (tests/mutants.py; about
+# 10 minutes here, not part of `make test`).
+mutants: model
+	$(PY) tests/mutants.py
 
 # The fuzz suite at FUZZ_SCALE times the cases `make test` runs (about 2 minutes at 20 here), with Hypothesis's
 # statistics: how many cases of each kind got as far as an answer.
