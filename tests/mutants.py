@@ -113,11 +113,20 @@ def run_tests(tree: Path, mutant: Mutant, fast: bool, report: Path) -> tuple[set
     return failed, ran, time.perf_counter() - t0
 
 
+def grouped(failed: set[str]) -> list[str]:
+    """Failed tests by function: a parametrized test's cases as one name with their count."""
+    counts: dict[str, int] = {}
+    for name in failed:
+        base = name.split("[", 1)[0]
+        counts[base] = counts.get(base, 0) + 1
+    return [name if n == 1 else f"{name} ({n} cases)" for name, n in sorted(counts.items())]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tests/mutants.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", metavar="NAME", choices=[m.name for m in MUTANTS], help="these mutants alone")
     ap.add_argument("--fast", action="store_true", help="leave out the tests that load the default model")
-    ap.add_argument("--all-names", action="store_true", help="name every test that catches a mutant, not 3")
+    ap.add_argument("--all-names", action="store_true", help="name every case of a parametrized test that fails")
     args = ap.parse_args(argv)
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
     with tempfile.TemporaryDirectory(prefix="tr-mutants-") as tmp:
@@ -145,10 +154,7 @@ def main(argv=None) -> int:
                 failed, ran, seconds = run_tests(tree, m, args.fast, Path(tmp) / m.name)
             finally:
                 path.write_text(original)
-            names = sorted(failed)
-            if not args.all_names and len(names) > 4:
-                names = names[:3] + [f"and {len(names) - 3} more"]
-            caught = ", ".join(names) if failed else "**nothing: it survives**"
+            caught = ", ".join(sorted(failed) if args.all_names else grouped(failed)) or "**nothing: it survives**"
             print(f"| {m.name} | {m.bug} | {ran} ({seconds:.0f} s) | {len(failed)}: {caught} |", flush=True)
             if not failed:
                 survivors.append(m.name)
