@@ -133,12 +133,13 @@ struct LayerWeights {
   const at::Tensor &input_norm, &qkv, &o, &post_norm, &gate_up, &down;
 };
 
-// One decoder layer on the residual stream h [T, E] in place; kv [N, 2, Hkv, S, D] is this layer's cache, qkv
-// [T, Hq + 2 Hkv, D] and attended [T, Hq, D] buffers the layers share.
+// One decoder layer on the residual stream h [T, E] in place; kv is this layer's cache [N, 2, Hkv, S, D] (kv_strides:
+// its first four strides), qkv [T, Hq + 2 Hkv, D] and attended [T, Hq, D] buffers the layers share. Pointers
+// throughout: a tensor view costs a dispatch, and a step would make some 200 of them.
 template <typename T>
-void layer(T* h, const LayerWeights& w, const T* cos, const T* sin, const at::Tensor& kv, at::IntArrayRef slots,
-           at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const at::Tensor& tree_masks, const Dims& d,
-           float eps, at::Tensor& qkv, at::Tensor& attended) {
+void layer(T* h, const LayerWeights& w, const T* cos, const T* sin, T* kv, const int64_t* kv_strides,
+           at::IntArrayRef slots, at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const bool* tree_masks,
+           const Dims& d, float eps, T* qkv, T* attended) {
   static thread_local std::vector<T> norm_buf, gate_up_buf, act_buf, proj_buf;
   const int64_t T_ = d.T, E = d.E, F = d.F, heads = d.Hq + 2 * d.Hkv;
   // The matmuls read their input rows in column pairs (bf16: P = 2); the rows they read are padded to that.
@@ -147,12 +148,12 @@ void layer(T* h, const LayerWeights& w, const T* cos, const T* sin, const at::Te
   T* proj = scratch(proj_buf, T_ * E);
   // attention: norm, q/k/v, RoPE and the cache write, attention, o_proj, residual
   rms_norm_rows(h, w.input_norm.data_ptr<T>(), normed, ld_norm, T_, E, eps);
-  tr_engine_cpu::packed_rows(normed, ld_norm, w.qkv.data_ptr<T>(), qkv.data_ptr<T>(), T_, w.qkv.size(1), heads * d.D);
-  const int64_t kv_strides[4] = {kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3)};
-  rope_and_cache(qkv.data_ptr<T>(), cos, sin, d, kv.data_ptr<T>(), kv_strides, slots, prefix_lens, offsets);
-  tr_engine_cpu::attend_batch_into(qkv.narrow(1, 0, d.Hq), kv.select(1, 0), kv.select(1, 1), slots, prefix_lens,
-                                   offsets, tree_masks, std::pow(static_cast<double>(d.D), -0.5), attended);
-  tr_engine_cpu::packed_rows(attended.data_ptr<T>(), d.Hq * d.D, w.o.data_ptr<T>(), proj, T_, w.o.size(1), E);
+  tr_engine_cpu::packed_rows(normed, ld_norm, w.qkv.data_ptr<T>(), qkv, T_, w.qkv.size(1), heads * d.D);
+  rope_and_cache(qkv, cos, sin, d, kv, kv_strides, slots, prefix_lens, offsets);
+  const tr_engine_cpu::CacheView<T> cache{kv, kv + kv_strides[1], d.Hkv, kv_strides[0], kv_strides[2], kv_strides[3]};
+  tr_engine_cpu::attend_batch(qkv, heads * d.D, d.D, d.Hq, d.D, cache, slots, prefix_lens, offsets, tree_masks,
+                              std::pow(static_cast<double>(d.D), -0.5), attended);
+  tr_engine_cpu::packed_rows(attended, d.Hq * d.D, w.o.data_ptr<T>(), proj, T_, w.o.size(1), E);
   add_into(h, proj, T_ * E);
   // MLP: norm, gate/up, SiLU * up, down_proj, residual
   rms_norm_rows(h, w.post_norm.data_ptr<T>(), normed, ld_norm, T_, E, eps);
@@ -180,13 +181,16 @@ at::Tensor decoder_layers_cpu(const at::Tensor& x, at::TensorList weights, const
   tr_engine::check_tree_attention_batch_args(q, k, v, slots, prefix_lens, offsets, tree_masks);
   auto out = x.contiguous().clone();  // the residual stream, through every layer
   auto attended = at::empty({d.T, d.Hq, d.D}, x.options());
+  const auto masks = tree_masks.contiguous();
+  const int64_t kv_strides[4] = {kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4)};  // [N, 2, Hkv, S]
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     for (int64_t l = 0; l < kv.size(0); ++l) {
       const LayerWeights w{weights[6 * l], weights[6 * l + 1], weights[6 * l + 2],
                            weights[6 * l + 3], weights[6 * l + 4], weights[6 * l + 5]};
-      layer<T>(out.data_ptr<T>(), w, cos.data_ptr<T>(), sin.data_ptr<T>(), kv.select(0, l), slots, prefix_lens,
-               offsets, tree_masks, d, static_cast<float>(eps), qkv, attended);
+      layer<T>(out.data_ptr<T>(), w, cos.data_ptr<T>(), sin.data_ptr<T>(), kv.data_ptr<T>() + l * kv.stride(0),
+               kv_strides, slots, prefix_lens, offsets, masks.data_ptr<bool>(), d, static_cast<float>(eps),
+               qkv.data_ptr<T>(), attended.data_ptr<T>());
     }
   };
   switch (x.scalar_type()) {

@@ -20,4 +20,21 @@ void attend_batch_into(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const at::Tensor& tree_masks,
                        double scale, at::Tensor& out);
 
+// A cache's keys and values as pointers: slot s, KV head h, position j at k + s * seq + h * head + j * pos (v the
+// same), the head dim contiguous.
+template <typename T>
+struct CacheView {
+  const T* k;
+  const T* v;
+  int64_t Hkv, seq, head, pos;
+};
+
+// attend_batch_into on pointers (no tensor views, for a kernel that calls it once a layer): q [T, Hq, D] with rows
+// q_row and heads q_head apart, the flattened tree_masks contiguous, out [T, Hq, D] contiguous. T = float, double,
+// c10::BFloat16 or c10::Half.
+template <typename T>
+void attend_batch(const T* q, int64_t q_row, int64_t q_head, int64_t Hq, int64_t D, const CacheView<T>& cache,
+                  at::IntArrayRef slots, at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const bool* tree_masks,
+                  double scale, T* out);
+
 }  // namespace tr_engine_cpu

@@ -411,13 +411,27 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   }
 }
 
+// One sequence's operands as pointers and strides, so that a call inside another kernel (decoder_layers, a batch)
+// builds no tensor views: q [T, Hq, D] (rows q_row apart, heads q_head apart), k and v [Hkv, S, D] (the same strides:
+// heads `head` apart, slots `pos` apart), the last dim contiguous everywhere; mask [T, T]; out [T, Hq, D] contiguous.
+template <typename scalar_t>
+struct SeqOperands {
+  const scalar_t* q;
+  int64_t q_row, q_head, T, Hq, D;
+  const scalar_t* k;
+  const scalar_t* v;
+  int64_t Hkv, head, pos;
+  const bool* mask;
+  scalar_t* out;
+};
+
 template <typename scalar_t, typename Acc>
-void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t P,
-                           const bool* mask, double scale, at::Tensor& out) {
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), G = Hq / Hkv;
-  const auto* kp = k.data_ptr<scalar_t>();
-  const auto* vp = v.data_ptr<scalar_t>();
-  const int64_t slot_stride = k.stride(1);
+void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double scale) {
+  const int64_t T = s.T, Hq = s.Hq, D = s.D, Hkv = s.Hkv, G = Hq / Hkv;
+  const scalar_t* kp = s.k;
+  const scalar_t* vp = s.v;
+  const bool* mask = s.mask;
+  const int64_t slot_stride = s.pos;
   // Tasks: each KV head's G*T query rows (token-major: the G heads of token t are adjacent) in blocks of kRows.
   const int64_t rows = G * T, blocks = (rows + kRows - 1) / kRows;
   // A head with several tasks converts its keys once for all of them; a head's only task (a decode step) converts
@@ -434,14 +448,14 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
     at::parallel_for(0, Hkv * fill_blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t h = i / fill_blocks, j0 = i % fill_blocks * kFillBlock;
-        fill_keys(heads[h], kp + h * k.stride(0), slot_stride, j0, std::min(j0 + kFillBlock, P + T));
+        fill_keys(heads[h], kp + h * s.head, slot_stride, j0, std::min(j0 + kFillBlock, P + T));
       }
     });
   }
-  const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
+  const int64_t q_strides[2] = {s.q_row, s.q_head};
   const Acc log2_scale = static_cast<Acc>(scale * 1.4426950408889634);  // scores in log2 units: softmax by 2^x
-  const auto* qp = q.data_ptr<scalar_t>();
-  auto* op = out.data_ptr<scalar_t>();
+  const scalar_t* qp = s.q;
+  scalar_t* op = s.out;
   at::parallel_for(0, Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
     TaskScratch<scalar_t, Acc>& scratch = task_scratch<scalar_t, Acc>(D, T);
     std::optional<HeadKeys<Acc>> window;
@@ -455,8 +469,8 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
       }
       auto run = [&](auto rows_const) {
         attend_rows<scalar_t, Acc, decltype(rows_const)::value>(
-            qp, q_strides, log2_scale, windowed ? *window : heads[h], windowed, kp + h * k.stride(0),
-            vp + h * v.stride(0), slot_stride, mask, tok, qhead, scratch, op, Hq);
+            qp, q_strides, log2_scale, windowed ? *window : heads[h], windowed, kp + h * s.head, vp + h * s.head,
+            slot_stride, mask, tok, qhead, scratch, op, Hq);
       };
       switch (R) {
         case 1: run(std::integral_constant<int64_t, 1>{}); break;
@@ -471,27 +485,42 @@ void tree_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 
-// The attention of one sequence's rows into out [T, Hq, D] (contiguous), its arguments checked already.
+// The attention of one sequence's rows, its arguments checked already: the kernel in the operands' dtype (float
+// accumulation, double for double).
+template <typename scalar_t>
+void attend_seq(const SeqOperands<scalar_t>& s, int64_t prefix_len, double scale) {
+  for (int64_t t = 0; t < s.T && prefix_len == 0; ++t)
+    TORCH_CHECK(std::any_of(s.mask + t * s.T, s.mask + (t + 1) * s.T, [](bool b) { return b; }),
+                "tree_attention: token ", t, " sees no key (prefix_len is 0 and its tree_mask row is all False)");
+  if (s.T == 0) return;
+  using Acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  tree_attention_kernel<scalar_t, Acc>(s, prefix_len, scale);
+}
+
+// f(static_cast<T*>(nullptr)) for the element type T of an attention dtype.
+template <typename F>
+void with_attention_type(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(static_cast<float*>(nullptr)); break;
+    case at::kDouble: f(static_cast<double*>(nullptr)); break;
+    case at::kBFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: f(static_cast<c10::Half*>(nullptr)); break;
+    default:
+      TORCH_CHECK(false, "tree_attention: dtype ", t, " is not supported (float32, bfloat16, float16, float64)");
+  }
+}
+
+// One sequence: q [T, Hq, D], k and v [Hkv, S, D], tree_mask [T, T] into out (contiguous).
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
                  const at::Tensor& tree_mask, double scale, at::Tensor out) {
-  const int64_t T = q.size(0);
-  const auto mask_c = tree_mask.contiguous();
-  const bool* mask = mask_c.data_ptr<bool>();
-  for (int64_t t = 0; t < T && prefix_len == 0; ++t)
-    TORCH_CHECK(std::any_of(mask + t * T, mask + (t + 1) * T, [](bool b) { return b; }), "tree_attention: token ", t,
-                " sees no key (prefix_len is 0 and its tree_mask row is all False)");
-  if (T == 0) return;
-  switch (q.scalar_type()) {
-    case at::kFloat: tree_attention_kernel<float, float>(q, k, v, prefix_len, mask, scale, out); break;
-    case at::kDouble: tree_attention_kernel<double, double>(q, k, v, prefix_len, mask, scale, out); break;
-    case at::kBFloat16:
-      tree_attention_kernel<c10::BFloat16, float>(q, k, v, prefix_len, mask, scale, out);
-      break;
-    case at::kHalf: tree_attention_kernel<c10::Half, float>(q, k, v, prefix_len, mask, scale, out); break;
-    default:
-      TORCH_CHECK(false, "tree_attention: dtype ", q.scalar_type(),
-                  " is not supported (float32, bfloat16, float16, float64)");
-  }
+  const auto mask = tree_mask.contiguous();
+  with_attention_type(q.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const SeqOperands<T> s{q.data_ptr<T>(), q.stride(0), q.stride(1), q.size(0), q.size(1), q.size(2),
+                           k.data_ptr<T>(), v.data_ptr<T>(), k.size(0), k.stride(0), k.stride(1),
+                           mask.data_ptr<bool>(), out.data_ptr<T>()};
+    attend_seq(s, prefix_len, scale);
+  });
 }
 
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
@@ -525,9 +554,10 @@ namespace tr_engine_cpu {
 // Each sequence through the same kernel, on its own rows, slot and mask block: its rows' bits are the ones a call for
 // that sequence alone gives. With several sequences the threads split the sequences between them (each sequence's
 // call then runs on one thread; a plain step's single row per sequence would leave threads idle otherwise).
-void attend_batch_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef slots,
-                       at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const at::Tensor& tree_masks,
-                       double scale, at::Tensor& out) {
+template <typename T>
+void attend_batch(const T* q, int64_t q_row, int64_t q_head, int64_t Hq, int64_t D, const CacheView<T>& cache,
+                  at::IntArrayRef slots, at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const bool* tree_masks,
+                  double scale, T* out) {
   const int64_t B = static_cast<int64_t>(slots.size());
   std::vector<int64_t> mask_at(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
@@ -535,12 +565,11 @@ void attend_batch_into(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     mask_at[b + 1] = mask_at[b] + n * n;
   }
   auto attend = [&](int64_t b) {
-    const int64_t lo = offsets[b], n = offsets[b + 1] - offsets[b];
-    if (n == 0) return;
-    const bool whole = B == 1;  // (offsets run from 0 to T: all of q and out, without making views of them)
-    attend_into(whole ? q : q.narrow(0, lo, n), k.select(0, slots[b]), v.select(0, slots[b]), prefix_lens[b],
-                (whole ? tree_masks : tree_masks.narrow(0, mask_at[b], n * n)).view({n, n}), scale,
-                whole ? out : out.narrow(0, lo, n));
+    const int64_t lo = offsets[b], n = offsets[b + 1] - lo;
+    const SeqOperands<T> s{q + lo * q_row, q_row, q_head, n, Hq, D, cache.k + slots[b] * cache.seq,
+                           cache.v + slots[b] * cache.seq, cache.Hkv, cache.head, cache.pos,
+                           tree_masks + mask_at[b], out + lo * Hq * D};
+    attend_seq(s, prefix_lens[b], scale);
   };
   if (B == 1) {
     attend(0);
@@ -549,6 +578,27 @@ void attend_batch_into(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       for (int64_t b = begin; b < end; ++b) attend(b);
     });
   }
+}
+
+template void attend_batch(const float*, int64_t, int64_t, int64_t, int64_t, const CacheView<float>&, at::IntArrayRef,
+                           at::IntArrayRef, at::IntArrayRef, const bool*, double, float*);
+template void attend_batch(const double*, int64_t, int64_t, int64_t, int64_t, const CacheView<double>&,
+                           at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, const bool*, double, double*);
+template void attend_batch(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, const CacheView<c10::BFloat16>&,
+                           at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, const bool*, double, c10::BFloat16*);
+template void attend_batch(const c10::Half*, int64_t, int64_t, int64_t, int64_t, const CacheView<c10::Half>&,
+                           at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, const bool*, double, c10::Half*);
+
+void attend_batch_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef slots,
+                       at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const at::Tensor& tree_masks,
+                       double scale, at::Tensor& out) {
+  const auto masks = tree_masks.contiguous();
+  with_attention_type(q.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const CacheView<T> cache{k.data_ptr<T>(), v.data_ptr<T>(), k.size(1), k.stride(0), k.stride(1), k.stride(2)};
+    attend_batch(q.data_ptr<T>(), q.stride(0), q.stride(1), q.size(1), q.size(2), cache, slots, prefix_lens,
+                 offsets, masks.data_ptr<bool>(), scale, out.data_ptr<T>());
+  });
 }
 
 }  // namespace tr_engine_cpu
