@@ -18,7 +18,7 @@ from tr_engine.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
 from tr_engine.errors import UserError
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
-from tr_engine.sampling import Sampler, Sampling, gumbel_noise, probabilities, sample
+from tr_engine.sampling import Sampler, Sampling, greedy, gumbel_noise, probabilities, sample
 from tr_engine.speculative import speculative_generate
 from tr_engine.tree import load_tree
 from tr_engine.weights import load_model
@@ -102,6 +102,27 @@ def test_gumbel_max_draws():
     # The frequencies of many draws are the distribution (a loose check; the exact ones are the tests below).
     draws = torch.tensor([sample(p, gumbel_noise(1, j, 5)) for j in range(4000)])
     assert torch.allclose(torch.bincount(draws, minlength=5).double() / 4000, p, atol=0.03)
+
+
+def test_greedy_is_argmax_bit_for_bit():
+    """greedy() (the decode loops' argmax, in chunks on a CPU) returns torch.argmax's index on every row: random
+    rows, ties (the lowest id), NaNs (the first one), infinities, all -inf, float64, 1-D and empty, and a vocabulary
+    not in whole chunks (argmax itself)."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(49152, generator=g), torch.randn(8, 49152, generator=g), torch.randn(0, 1024),
+            torch.randn(3, 1000, generator=g), torch.randn(5, 2048, generator=g, dtype=torch.float64)]
+    special = torch.zeros(6, 1024)
+    special[0, [5, 700]] = 3.0  # a tie across chunks
+    special[1, [900, 3]] = float("nan")
+    special[2] = float("-inf")
+    special[3, [1023, 130]] = float("inf")
+    special[4, [129, 130]] = 2.0  # a tie inside a chunk
+    special[5, 1023] = float("nan")
+    special[5, 0] = float("inf")
+    for x in rows + [special]:
+        got, want = greedy(x), x.argmax(dim=-1)
+        assert got.shape == want.shape and torch.equal(got, want), x.shape
+    assert greedy(special).tolist() == [5, 3, 0, 130, 129, 1023]
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(temperature=1, top_k=-1), dict(temperature=1, top_p=0),

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tr_engine.files import atomic_write
+from tr_engine.sampling import greedy
 from tr_engine.tree import sample_tree_mask
 
 # Verify sizes (tokens, root included) a tree may take, and the ones the cost curve measures. Every size from 1 to 8
@@ -61,7 +62,7 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
         else:
             logits = model(ids[prefix:].repeat(T), depths[T], cache.data, prefix, tree_mask=masks[T])
         if with_argmax:
-            logits.argmax(dim=-1).tolist()
+            greedy(logits).tolist()
         elif device.type == "cuda":
             torch.cuda.synchronize()
 

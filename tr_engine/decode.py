@@ -16,7 +16,7 @@ import torch
 
 from tr_engine.kv_cache import KVCache
 from tr_engine.model import Llama
-from tr_engine.sampling import Sampler
+from tr_engine.sampling import Sampler, greedy
 
 
 @dataclass
@@ -83,7 +83,7 @@ def plain_steps(model: Llama, cache: KVCache, context_ids: list[int], max_new_to
     def pick(logits: torch.Tensor, j: int) -> torch.Tensor:
         # Greedy: a tensor [] that stays on the device until the host needs it. Sampled: the sampler syncs.
         if sampler is None:
-            return logits.argmax()
+            return greedy(logits)
         with torch.inference_mode():
             return torch.tensor(sampler.draw(logits, j), device=logits.device)
 

@@ -87,6 +87,25 @@ def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(p).index_copy_(0, keep, p[keep])
 
 
+_CHUNK = 128  # greedy() reads a CPU row of logits in chunks of this many
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), the same index bit for bit (ties go to the lowest id, a NaN counts as the largest value),
+    faster on a CPU. PyTorch's CPU argmax carries an index with every element (~0.9 ns each here: 85 us for a row of
+    SmolLM2's 49,152 logits, 0.3 ms for an 8-token verify's rows), where a max does not (~0.15 ns). So: the max of
+    each chunk of 128 logits, the first chunk holding the row's max (an argmax over V / 128 values), then the argmax
+    inside that chunk, whose first maximum is the row's first. Elsewhere (a GPU, a vocabulary not in whole chunks)
+    logits.argmax(dim=-1)."""
+    V = logits.shape[-1]
+    if logits.device.type != "cpu" or V % _CHUNK or V < 4 * _CHUNK:
+        return logits.argmax(dim=-1)
+    chunks = logits.reshape(*logits.shape[:-1], V // _CHUNK, _CHUNK)  # [..., C, 128]
+    best = chunks.amax(dim=-1).argmax(dim=-1, keepdim=True)  # [..., 1]: the first chunk holding the max (or a NaN)
+    inside = chunks.gather(-2, best[..., None].expand(*best.shape, _CHUNK)).squeeze(-2).argmax(dim=-1)
+    return best.squeeze(-1) * _CHUNK + inside
+
+
 def sample(p: torch.Tensor, noise: torch.Tensor) -> int:
     """Gumbel-max: the token maximising log p + noise, with `noise` [V] standard Gumbel variables; never a token of
     probability zero (its score is -inf)."""
