@@ -80,6 +80,18 @@ void block_loop(const T* x, int64_t ldx, const T* wb, int64_t groups, T* y, int6
 }
 
 #if defined(__AVX512F__)
+// Ask for the cache lines kPrefetch bytes past the `lines` 64-byte lines at p, into L2. A thread streams its blocks
+// in order, and a block follows the one before it in memory, so that is where this thread reads next. The hardware
+// prefetchers alone left this stream short of the memory's bandwidth: each matmul of a step is short (0.7-3.5 MB for
+// SmolLM2, split between the threads), and at R = 8 rows the dot products keep the core busy while the next lines
+// are still on their way. Measured on whole SmolLM2 steps here, against no prefetch: bf16 4-7% faster at 1 row and
+// 12-15% at 8, fp32 3% and 8%; 2 KB ahead helped less at 8 rows, 6 KB was no better at 1.
+constexpr int64_t kPrefetch = 4096;
+inline void prefetch_ahead(const void* p, int lines) {
+  const char* ahead = static_cast<const char*>(p) + kPrefetch;
+  for (int i = 0; i < lines; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
+}
+
 // The first `valid` of 16 lanes (none for valid <= 0).
 inline __mmask16 lanes(int valid) {
   return valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max(valid, 0)) - 1);
@@ -90,6 +102,7 @@ void block_f32(const float* x, int64_t ldx, const float* wb, int64_t groups, flo
   __m512 lo[R], hi[R];  // outputs 0..15 and 16..31 of the block, for each row of x
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < groups; ++k) {
+    prefetch_ahead(wb + k * kBlock, 2);
     const __m512 w0 = _mm512_loadu_ps(wb + k * kBlock), w1 = _mm512_loadu_ps(wb + k * kBlock + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
@@ -110,6 +123,7 @@ void block_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wb, in
   __m512 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < groups; ++k) {
+    prefetch_ahead(wb + k * 2 * kBlock, 2);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + k * 2 * kBlock);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + k * 2 * kBlock + 32);
     for (int r = 0; r < R; ++r) {
@@ -136,6 +150,7 @@ void block_f16(const c10::Half* x, int64_t ldx, const c10::Half* wb, int64_t gro
   __m512 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < groups; ++k) {
+    prefetch_ahead(wb + k * kBlock, 1);
     const __m512i w = _mm512_loadu_si512(wb + k * kBlock);
     const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w)), w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
     for (int r = 0; r < R; ++r) {
