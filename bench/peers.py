@@ -1,8 +1,9 @@
 """Our decoding beside llama.cpp's on this CPU: the same weights (the default model's shipped GGUF, requantized to
 BF16 and F32), the same chat-formatted prompts, threads and new tokens, greedy. llama.cpp's plain decoding
 (llama-completion) and its prompt lookup (llama-lookup, the lossless speculative option it has without a draft
-model) against ours (ar, hybrid, pld), question by question in alternation, with this machine's read bandwidth
-measured between questions and each plain step's share of the floor it sets (weight bytes / bandwidth).
+model) against ours (ar, hybrid, tr, pld), question by question in alternation, with this machine's read bandwidth
+measured between questions and just before and after each plain run, and each plain step's share of the floor it
+sets (weight bytes / bandwidth): against the run's median bandwidth, and against the bandwidth beside each run.
 
     python -m bench.peers [--per-group 2] [--max-new-tokens 128] [--threads 2] [--dtypes bfloat16 float32]
 
@@ -175,7 +176,8 @@ def measure(args) -> dict:
                 run_llama(bin_dir, "llama-lookup", gguf, prompt, args.max_new_tokens, args.threads, d, path)
         for i, q in enumerate(questions):
             prompt = template.render([{"role": "user", "content": q["turns"][0]}])
-            plain = run_llama(bin_dir, "llama-completion", gguf, prompt, args.max_new_tokens, args.threads)
+            plain = beside(lambda: run_llama(bin_dir, "llama-completion", gguf, prompt, args.max_new_tokens,
+                                             args.threads))
             rows["llama.cpp"].append(plain)
             for d in args.lookup_drafts:
                 r = run_llama(bin_dir, "llama-lookup", gguf, prompt, args.max_new_tokens, args.threads, d, caches[d])
@@ -185,13 +187,12 @@ def measure(args) -> dict:
                 rows[f"llama.cpp lookup {d}"].append(r)
             ours_plain = None
             for method in OURS:
-                g = engine.generate(q["turns"][0], max_new_tokens=args.max_new_tokens, method=method,
-                                    reuse_cache=False).generation
-                ours_plain = ours_plain or g.token_ids
-                rows[method].append(dict(prompt_tokens=g.prompt_tokens, prefill_s=g.prefill_s,
-                                         decode_tokens=len(g.token_ids) - 1, decode_s=g.decode_s, steps=g.steps,
-                                         same_tokens_as_plain=g.token_ids == ours_plain,
-                                         text=engine.tokenizer.decode(g.token_ids)))
+                def ours(m=method, e=engine):
+                    return run_ours(e, q["turns"][0], m, args.max_new_tokens)
+                r = beside(ours) if method == "ar" else ours()
+                ours_plain = ours_plain or r["token_ids"]
+                r["same_tokens_as_plain"] = r.pop("token_ids") == ours_plain
+                rows[method].append(r)
             bandwidth.append(read_bandwidth())
             print(f"{dtype} question {i + 1}/{len(questions)} ({group_of(q['category'])}): llama.cpp "
                   f"{plain['decode_tokens'] / plain['decode_s']:.1f} tok/s, ours ar "
@@ -202,6 +203,29 @@ def measure(args) -> dict:
     return {"questions": len(questions), "per_group": args.per_group, "warm_up": len(warm),
             "max_new_tokens": args.max_new_tokens,
             "threads": args.threads, "llama_cpp_python": LLAMA_CPP_PYTHON, "results": results}
+
+
+def run_ours(engine: Engine, question: str, method: str, max_new_tokens: int) -> dict:
+    """One generation of ours, from an empty cache: its timings, its tokens and its text."""
+    g = engine.generate(question, max_new_tokens=max_new_tokens, method=method, reuse_cache=False).generation
+    return dict(prompt_tokens=g.prompt_tokens, prefill_s=g.prefill_s, decode_tokens=len(g.token_ids) - 1,
+                decode_s=g.decode_s, steps=g.steps, token_ids=g.token_ids, text=engine.tokenizer.decode(g.token_ids))
+
+
+def beside(run_once) -> dict:
+    """run_once()'s row, with the read bandwidth measured just before and just after it (their mean, GB/s): the
+    floor of that run's own spell. This machine's bandwidth jumps between ~30 and ~55 GB/s within seconds, so a run's
+    step set against the run's median bandwidth mixes spells; a plain run against its own bandwidth does not."""
+    before = read_bandwidth(reps=3)
+    row = run_once()
+    row["bandwidth_gb_s"] = (before + read_bandwidth(reps=3)) / 2
+    return row
+
+
+def share_beside(rows: list[dict], weight_bytes: int) -> float:
+    """The median over runs of floor / step time, each run's floor from the bandwidth measured beside it."""
+    return statistics.median(weight_bytes / (r["bandwidth_gb_s"] * 1e9) / (r["decode_s"] / r["decode_tokens"])
+                             for r in rows)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -232,7 +256,9 @@ def write(out: Path, data: dict, info: dict) -> str:
              "Decode tok/s = tokens after the first / the time after the prompt's forward (llama.cpp's own `eval` "
              "and `decoded` timings). Floor = the bytes a plain step streams (weights and LM head) / this machine's "
              "read bandwidth (the median of measurements between questions); share of floor = floor / plain step "
-             "time.", ""]
+             "time. Share beside = the same for each plain run with the bandwidth read just before and after it, "
+             "the median over the runs: the machine's bandwidth jumps within seconds, so this one pairs each step "
+             "with its own spell.", ""]
     for dtype, res in data["results"].items():
         bw = statistics.median(res["bandwidth_gb_s"])
         floor_ms = res["weight_bytes"] / bw / 1e6
@@ -242,20 +268,22 @@ def write(out: Path, data: dict, info: dict) -> str:
                   f"Read bandwidth {bw:.1f} GB/s (range {min(res['bandwidth_gb_s']):.1f}-"
                   f"{max(res['bandwidth_gb_s']):.1f}); a plain step streams {res['weight_bytes'] / 1e6:.0f} MB: "
                   f"floor {floor_ms:.2f} ms/token ({1e3 / floor_ms:.0f} tok/s).", "",
-                  "| engine | method | decode tok/s | vs llama.cpp plain | ms/token | share of floor | "
+                  "| engine | method | decode tok/s | vs llama.cpp plain | ms/token | share of floor | share beside | "
                   "prefill tok/s | MAT | same output as its plain decoding |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name, s in table.items():
             engine_name, method = ("llama.cpp", name[len("llama.cpp "):] or "plain") if name.startswith("llama") \
                 else ("tr-engine", name)
             plain_step = method in ("plain", "ar")
             ms = 1e3 / s["decode_tok_s"]
             share = f"{floor_ms / ms:.0%}" if plain_step else ""
+            rows = res["rows"][name]
+            share_b = f"{share_beside(rows, res['weight_bytes']):.0%}" if "bandwidth_gb_s" in rows[0] else ""
             mat = f"{s['mat']:.2f}" if "mat" in s else (f"accepts {s['accepted_per_drafted']:.0%} of drafts"
                                                         if "accepted_per_drafted" in s else "1")
             same = f"{s['same']}/{n}" if "same" in s else ""
             lines.append(f"| {engine_name} | {method} | {s['decode_tok_s']:.1f} | {s['decode_tok_s'] / base:.2f}x | "
-                         f"{ms:.2f} | {share} | {s['prefill_tok_s']:.0f} | {mat} | {same} |")
+                         f"{ms:.2f} | {share} | {share_b} | {s['prefill_tok_s']:.0f} | {mat} | {same} |")
         theirs = max((s["decode_tok_s"], name) for name, s in table.items() if name.startswith("llama"))
         ours = max((table[m]["decode_tok_s"], m) for m in OURS)
         lines += ["", f"Best of ours ({ours[1]}) / best of llama.cpp's ({theirs[1]}): "

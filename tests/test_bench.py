@@ -279,7 +279,9 @@ def test_peers_reads_llama_cpps_timings_and_sets_the_engines_side_by_side(tmp_pa
         return dict(prompt_tokens=42, prefill_s=0.03, decode_tokens=tokens, decode_s=seconds, steps=steps,
                     same_tokens_as_plain=True)
 
-    rows = {"llama.cpp": [plain], "llama.cpp lookup 3": [lookup], "ar": [ours(100, 0.95, 100)],
+    plain["bandwidth_gb_s"] = 26.9  # read beside the run: its floor 10 ms, its step 10 ms
+    ar = dict(ours(100, 0.95, 100), bandwidth_gb_s=40.0)
+    rows = {"llama.cpp": [plain], "llama.cpp lookup 3": [lookup], "ar": [ar],
             "hybrid": [ours(100, 0.5, 50)], "tr": [ours(100, 0.55, 52)], "pld": [ours(100, 0.8, 70)]}
     assert summary(rows["hybrid"])["mat"] == pytest.approx(101 / 51)
     data = {"questions": 1, "per_group": 1, "warm_up": 6, "max_new_tokens": 128, "threads": 2,
@@ -289,8 +291,9 @@ def test_peers_reads_llama_cpps_timings_and_sets_the_engines_side_by_side(tmp_pa
     text = write(tmp_path / "out", data, {"cpu": "test", "cores": 2, "threads": 2, "torch": "x", "python": "y",
                                           "commit": "z"})
     assert "floor 7.69 ms/token" in text  # 269 MB at the median 35 GB/s
-    assert "| llama.cpp | plain | 100.0 | 1.00x | 10.00 | 77% |" in text
-    assert "| tr-engine | ar | 105.3 | 1.05x |" in text
+    assert "| llama.cpp | plain | 100.0 | 1.00x | 10.00 | 77% | 100% |" in text
+    assert "| tr-engine | ar | 105.3 | 1.05x | 9.50 | 81% | 71% |" in text  # 269 MB at 40 GB/s: 6.7 of 9.5 ms
+    assert "| tr-engine | hybrid | 200.0 | 2.00x | 5.00 |  |  |" in text
     assert "Best of ours (hybrid) / best of llama.cpp's (llama.cpp lookup 3): **1.58x**" in text
     assert "Plain against plain: **1.05x**" in text
     assert "text" not in json.loads((tmp_path / "out" / "peers.json").read_text())["results"]["bfloat16"]["rows"][
