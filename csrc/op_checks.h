@@ -133,8 +133,10 @@ inline void check_decoder_layers_args(const at::Tensor& x, at::TensorList weight
   TORCH_CHECK(kv.dim() == 6 && kv.size(2) == 2 && kv.stride(5) == 1,
               "decoder_layers: kv must be [L, N, 2, Hkv, S, D] with a contiguous last dim, got ", kv.sizes());
   const int64_t L = kv.size(0), T = x.size(0), E = x.size(1), Hkv = kv.size(3), D = kv.size(5);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L, "decoder_layers: weights must hold 6 tensors a layer "
-              "(input_norm, qkv, o, post_norm, gate_up, down) for kv's ", L, " layers, got ", weights.size());
+  const int64_t n = static_cast<int64_t>(weights.size());
+  TORCH_CHECK(n == 6 * L || n == 6 * L + 1, "decoder_layers: weights must hold 6 tensors a layer "
+              "(input_norm, qkv, o, post_norm, gate_up, down) for kv's ", L, " layers, then optionally the final "
+              "norm's, got ", n);
   TORCH_CHECK(n_heads >= 1 && n_heads % Hkv == 0 && D % 2 == 0, "decoder_layers: n_heads = ", n_heads,
               " must be a multiple of the cache's ", Hkv, " KV heads, and the head dim ", D, " even");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
@@ -153,6 +155,8 @@ inline void check_decoder_layers_args(const at::Tensor& x, at::TensorList weight
     TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->device() == x.device() && (t == &kv || t->is_contiguous()),
                 "decoder_layers: every tensor must be ", x.scalar_type(), " on ", x.device(),
                 " and contiguous (kv: its last dim), like x; got ", t->scalar_type(), " on ", t->device());
+  TORCH_CHECK(n == 6 * L || (weights[6 * L].dim() == 1 && weights[6 * L].size(0) == E),
+              "decoder_layers: the final norm's weight must be [E] = [", E, "], got ", weights[n - 1].sizes());
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor *norm1 = &weights[6 * l], *norm2 = &weights[6 * l + 3];
     TORCH_CHECK(norm1->dim() == 1 && norm1->size(0) == E && norm2->dim() == 1 && norm2->size(0) == E,

@@ -62,7 +62,8 @@ TORCH_LIBRARY(tr_engine, m) {
   // eps, rope by the rows' cos/sin [T, D] (Hugging Face's half-split layout). The rows are a ragged batch as in
   // tree_attention_batch: sequence b's rows offsets[b].. write their rotated K and V into slot slots[b] of kv
   // [L, N, 2, Hkv, S, D] at positions prefix_lens[b].., then attend through their tree mask. Returns the last
-  // layer's output [T, E] in x's dtype (float32, bfloat16, float16); rounds where the module path's ops would
+  // layer's output [T, E] in x's dtype (float32, bfloat16, float16), through the model's final norm when weights
+  // holds its weight after the layers' (6 L + 1 tensors); rounds where the module path's ops would
   // (tr_engine.reference.decoder_layers) and, like every CPU kernel here, computes each row from that row alone.
   m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor cos, Tensor sin, Tensor(a!) kv, int[] slots, "
         "int[] prefix_lens, int[] offsets, Tensor tree_masks, int n_heads, int ffn, float eps) -> Tensor");

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tr_engine import reference
+from tr_engine.model import rms_norm
 from tr_engine.ops import load_ops
 from tr_engine.tree import ancestor_mask
 
@@ -102,6 +103,26 @@ def test_a_sequences_rows_are_the_same_bits_in_a_batch_as_alone(dtype):
                   [prefixes[b]], [0, hi - lo], [masks[b]])
         assert torch.equal(one, got[lo:hi]), b
         assert torch.equal(alone[:, slots[b]], together[:, slots[b]]), b
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_final_norm_weight_after_the_layers_norms_the_output(dtype):
+    """weights' 6 L + 1-th tensor is the model's final norm: the output is the layers' through it (the module path's
+    rms_norm, to a rounding), each row still alone (the same bits in a batch as alone)."""
+    x, weights, dims, cos, sin, positions, kv, slots, prefixes, offsets, masks = batch(dtype)
+    final = (1 + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(9))).to(dtype)
+    args = (x, weights + [final], dims, cos, sin, positions)
+    got = run(kernels.decoder_layers, *args, kv.clone(), slots, prefixes, offsets, masks)
+    want = run(reference.decoder_layers, *args, kv.clone(), slots, prefixes, offsets, masks)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    layers_only = run(kernels.decoder_layers, x, weights, dims, cos, sin, positions, kv.clone(), slots, prefixes,
+                      offsets, masks)
+    torch.testing.assert_close(got, rms_norm(layers_only, final, dims["eps"]), **TOLERANCE[dtype])
+    assert not torch.equal(got, layers_only)
+    for b, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+        one = run(kernels.decoder_layers, x[lo:hi], weights + [final], dims, cos, sin, positions[lo:hi], kv.clone(),
+                  [slots[b]], [prefixes[b]], [0, hi - lo], [masks[b]])
+        assert torch.equal(one, got[lo:hi]), b
 
 
 def test_odd_sizes_pad_the_matmuls_inputs():

@@ -172,6 +172,8 @@ REFUSED = [
      replace(1, lambda a, d: a[1][:7] + [a[1][7].double()] + a[1][8:])),
     ("decoder_layers", "decoder_layers: the norms' weights must be [E] = [",
      replace(1, lambda a, d: a[1][:9] + [a[1][9][:8]] + a[1][10:])),
+    ("decoder_layers", "decoder_layers: the final norm's weight must be [E] = [",
+     replace(1, lambda a, d: a[1] + [a[1][0][:8]])),
     ("decoder_layers", "decoder_layers: qkv, o, gate_up and down must be pack_linear's of [(Hq + 2 Hkv) D, E], "
      "[E, Hq D], ", replace(10, lambda a, d: 40)),
     ("decoder_layers", "tree_attention_batch: two sequences share slot ", replace(5, lambda a, d: [0, 0])),

@@ -283,6 +283,9 @@ class Llama(nn.Module):
                 self.fused_weights += [layer.input_layernorm.weight.detach(), attn.qkv_weight.data, attn.o_weight.data,
                                        layer.post_attention_layernorm.weight.detach(), mlp.gate_up_weight.data,
                                        mlp.down_weight.data]
+            # then the final norm's: the op returns normed rows (as eight PyTorch ops after it, the norm cost ~0.3 ms
+            # of a SmolLM2 step, its dispatches running with the caches full of the weights just streamed)
+            self.fused_weights.append(self.model.norm.weight.detach())
             first = self.model.layers[0]
             self.fused_dims = (first.self_attn.n_heads, first.mlp.gate_up_weight.n // 2, first.input_layernorm.eps)
         self.fused_layers = self.shard.world == 1
@@ -359,13 +362,13 @@ class Llama(nn.Module):
         if rows is None:
             for layer, kv in zip(self.model.layers, kv_cache):
                 x = layer(x, cos, sin, kv, start, mask, self.ops)
-        else:  # every layer in one op (the cache as a batch of one slot when it is one sequence's), the same math
+            x = self.model.norm(x[-1:] if last_logits_only else x)
+        else:  # every layer and the final norm in one op (the cache as a batch of one slot when it is one sequence's)
             kv = kv_cache if batch is not None else kv_cache[:, None]  # [L, N, 2, Hkv, S, D]
             x = self.ops.decoder_layers(x, self.fused_weights, cos, sin, kv, rows.slots, rows.prefix_lens,
                                         rows.offsets, rows.tree_masks, *self.fused_dims)
-        if last_logits_only:
-            x = x[-1:]
-        logits = self.ops.linear(self.model.norm(x), self.head_weight)  # [T, V] (this rank's V alone)
+            x = x[-1:] if last_logits_only else x
+        logits = self.ops.linear(x, self.head_weight)  # [T, V] (this rank's V alone)
         if gather:
             logits = self.shard.gather_last(logits, self.config.vocab_size)  # [T, V]
         return logits if logits.element_size() >= 4 else logits.float()

@@ -104,7 +104,7 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tens
     (DecoderLayer, Attention, MLP), on packed weights: x [T, E] -> [T, E]. Layer l takes weights[6l..6l+5] (input
     norm, qkv, o, post-attention norm, gate_up, down) and writes its rows' rotated K and their V into kv[l]
     ([N, 2, Hkv, S, D]), sequence b's at slot slots[b], positions prefix_lens[b]..; attention by
-    tree_attention_batch."""
+    tree_attention_batch. A weight after the layers' (6 L + 1 in all) is the final norm's: the output is normed."""
     from tr_engine.model import apply_rope, rms_norm  # (the model imports this module, through tr_engine.ops)
 
     T, E = x.shape
@@ -121,4 +121,4 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tens
         h = x + packed_linear(o.reshape(T, Hq * D), o_w, E)
         gate, up = packed_linear(rms_norm(h, norm2, eps), gate_up_w, 2 * ffn).chunk(2, dim=-1)
         x = h + packed_linear(torch.nn.functional.silu(gate) * up, down_w, E)
-    return x
+    return rms_norm(x, weights[-1], eps) if len(weights) > 6 * len(kv) else x

@@ -166,7 +166,10 @@ void layer(T* h, const LayerWeights& w, const T* cos, const T* sin, T* kv, const
 }
 
 // Every layer in turn, in one call: a step's 30 layers cost one dispatch, one set of checks and three allocations,
-// where one op per layer paid those 30 times (~15 us each, half a millisecond of a 9 ms SmolLM2 step).
+// where one op per layer paid those 30 times (~15 us each, half a millisecond of a 9 ms SmolLM2 step). Then the final
+// norm, when weights ends with its weight: as eight PyTorch ops after the layers it took ~0.3 ms of a SmolLM2 step,
+// fifteen times what it takes in a loop of its own, because each op's dispatch ran with the caches full of the
+// weights just streamed (bench/results/step_profile.md).
 at::Tensor decoder_layers_cpu(const at::Tensor& x, at::TensorList weights, const at::Tensor& cos,
                               const at::Tensor& sin, at::Tensor kv, at::IntArrayRef slots,
                               at::IntArrayRef prefix_lens, at::IntArrayRef offsets, const at::Tensor& tree_masks,
@@ -191,6 +194,10 @@ at::Tensor decoder_layers_cpu(const at::Tensor& x, at::TensorList weights, const
       layer<T>(out.data_ptr<T>(), w, cos.data_ptr<T>(), sin.data_ptr<T>(), kv.data_ptr<T>() + l * kv.stride(0),
                kv_strides, slots, prefix_lens, offsets, masks.data_ptr<bool>(), d, static_cast<float>(eps),
                qkv.data_ptr<T>(), attended.data_ptr<T>());
+    }
+    if (static_cast<int64_t>(weights.size()) > 6 * kv.size(0)) {  // the final norm, in place: a row is read whole
+      T* h = out.data_ptr<T>();                                    // before any of it is written
+      rms_norm_rows(h, weights.back().data_ptr<T>(), h, d.E, d.T, d.E, static_cast<float>(eps));
     }
   };
   switch (x.scalar_type()) {
