@@ -122,6 +122,13 @@ inline void check_tree_attention_batch_args(const at::Tensor& q, const at::Tenso
   }
 }
 
+// argmax_rows (CPU only): logits [..., V], V >= 1, float32 or float64.
+inline void check_argmax_rows_args(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "argmax_rows: x must be [..., V] with V >= 1, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "argmax_rows: x is ", x.scalar_type(),
+              "; float32 and float64 are supported");
+}
+
 // decoder_layers (CPU only): the layers' tensors against x [T, E] and the cache kv [L, N, 2, Hkv, S, D]; weights
 // holds 6 per layer (input_norm, qkv, o, post_norm, gate_up, down), each projection packed (pack_linear) from its
 // [out, in] weight. The attention part is then checked as tree_attention_batch's, on the layers' queries.

@@ -67,6 +67,10 @@ TORCH_LIBRARY(tr_engine, m) {
   // (tr_engine.reference.decoder_layers) and, like every CPU kernel here, computes each row from that row alone.
   m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor cos, Tensor sin, Tensor(a!) kv, int[] slots, "
         "int[] prefix_lens, int[] offsets, Tensor tree_masks, int n_heads, int ffn, float eps) -> Tensor");
+
+  // x.argmax(dim=-1) for logits x [..., V] (float32, float64; CPU), bit for bit: the first index of each row's
+  // maximum, a NaN counting as the largest value. Greedy decoding's choice (sampling.greedy), in one op.
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 // `import tr_engine._C` loads this library, which runs the registrations above; the module itself is empty.

@@ -48,6 +48,7 @@ VALID = {
     "tree_attention_dynamic": lambda d: tree_args(d, dynamic=True),
     "tree_attention_batch": lambda d: batch_args(d),
     "decoder_layers": lambda d: layer_args(d),
+    "argmax_rows": lambda d: [torch.randn(3, 50, generator=torch.Generator().manual_seed(5)).to(d)],
 }
 
 
@@ -74,7 +75,8 @@ def layer_args(device, L=2, E=32, Hq=4, Hkv=2, D=8, F=24):
     return [x, weights, cos, sin, kv, slots, prefixes, offsets, masks, Hq, F, 1e-5]
 
 
-CPU_ONLY = {"pack_linear", "packed_linear", "decoder_layers"}  # the blocked layout of the CPU matmul
+CPU_ONLY = {"pack_linear", "packed_linear", "decoder_layers", "argmax_rows"}  # (the blocked layout of the CPU matmul;
+# greedy's argmax, which a GPU leaves to PyTorch)
 
 
 def op_device_cases():
@@ -178,6 +180,8 @@ REFUSED = [
      "[E, Hq D], ", replace(10, lambda a, d: 40)),
     ("decoder_layers", "tree_attention_batch: two sequences share slot ", replace(5, lambda a, d: [0, 0])),
     ("decoder_layers", "tree_attention: prefix_len ", replace(6, lambda a, d: [14, 0])),
+    ("argmax_rows", "argmax_rows: x must be [..., V] with V >= 1, got ", replace(0, lambda a, d: a[0][:, :0])),
+    ("argmax_rows", "argmax_rows: x is ", replace(0, lambda a, d: a[0].bfloat16())),
 ]
 # Checks that need two devices to fail (a CPU tensor beside a CUDA one): refused on a machine with a GPU.
 CROSS_DEVICE = [

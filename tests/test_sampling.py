@@ -18,6 +18,7 @@ from tr_engine.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
 from tr_engine.errors import UserError
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
+from tr_engine.ops import load_ops
 from tr_engine.sampling import Sampler, Sampling, greedy, gumbel_noise, probabilities, sample
 from tr_engine.speculative import speculative_generate
 from tr_engine.tree import load_tree
@@ -104,14 +105,17 @@ def test_gumbel_max_draws():
     assert torch.allclose(torch.bincount(draws, minlength=5).double() / 4000, p, atol=0.03)
 
 
-def test_greedy_is_argmax_bit_for_bit():
-    """greedy() (the decode loops' argmax, in chunks on a CPU) returns torch.argmax's index on every row: random
-    rows, ties (the lowest id), NaNs (the first one), infinities, all -inf, float64, 1-D and empty, and a vocabulary
-    not in whole chunks (argmax itself)."""
+@pytest.mark.parametrize("ops", [None, "kernels", "reference"])
+def test_greedy_is_argmax_bit_for_bit(ops):
+    """greedy() (the decode loops' argmax: in chunks on a CPU, or ops.argmax_rows with the model's ops) returns
+    torch.argmax's index on every row: random rows, ties (the lowest id; -0 and +0 tie), NaNs (the first one),
+    infinities, all -inf, float64, 1-D, 3-D and empty, one logit, and a vocabulary not in whole chunks."""
+    ops = ops and load_ops(ops)
     g = torch.Generator().manual_seed(0)
     rows = [torch.randn(49152, generator=g), torch.randn(8, 49152, generator=g), torch.randn(0, 1024),
-            torch.randn(3, 1000, generator=g), torch.randn(5, 2048, generator=g, dtype=torch.float64)]
-    special = torch.zeros(6, 1024)
+            torch.randn(3, 1000, generator=g), torch.randn(5, 2048, generator=g, dtype=torch.float64),
+            torch.randn(2, 3, 130, generator=g), torch.randn(4, 1, generator=g)]
+    special = torch.zeros(8, 1024)
     special[0, [5, 700]] = 3.0  # a tie across chunks
     special[1, [900, 3]] = float("nan")
     special[2] = float("-inf")
@@ -119,10 +123,13 @@ def test_greedy_is_argmax_bit_for_bit():
     special[4, [129, 130]] = 2.0  # a tie inside a chunk
     special[5, 1023] = float("nan")
     special[5, 0] = float("inf")
-    for x in rows + [special]:
-        got, want = greedy(x), x.argmax(dim=-1)
+    special[6] = -1.0
+    special[6, [70, 9]] = torch.tensor([0.0, -0.0])  # -0 == +0: the first of them
+    special[7, 1000] = 1e-30
+    for x in rows + [special, special.double()]:
+        got, want = greedy(x, ops), x.argmax(dim=-1)
         assert got.shape == want.shape and torch.equal(got, want), x.shape
-    assert greedy(special).tolist() == [5, 3, 0, 130, 129, 1023]
+    assert greedy(special, ops).tolist() == [5, 3, 0, 130, 129, 1023, 9, 1000]
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(temperature=1, top_k=-1), dict(temperature=1, top_p=0),

@@ -112,7 +112,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
             t0 = time.perf_counter()
             with torch.inference_mode():
                 logits = prefill(model, view, r.prompt_ids)
-                first = int(greedy(logits)) if r.sampler is None else r.sampler.draw(logits, 0)
+                first = int(greedy(logits, ops)) if r.sampler is None else r.sampler.draw(logits, 0)
         except UserError as e:
             cache.give_back(r.slot)
             return Event(r.id, [], error=str(e))
@@ -174,7 +174,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 committed = []
                 for r, draft, lg in zip(order, drafts, rows):
                     if r.sampler is None:
-                        path, tokens = accept(draft, greedy(lg))
+                        path, tokens = accept(draft, greedy(lg, ops))
                     else:
                         path, tokens = accept_sampled(draft, lg, r.sampler, len(r.out))
                     compact(cache.view(r.slot), path, ops)

@@ -62,7 +62,7 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
         else:
             logits = model(ids[prefix:].repeat(T), depths[T], cache.data, prefix, tree_mask=masks[T])
         if with_argmax:
-            greedy(logits).tolist()
+            greedy(logits, model.ops).tolist()
         elif device.type == "cuda":
             torch.cuda.synchronize()
 

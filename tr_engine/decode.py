@@ -83,7 +83,7 @@ def plain_steps(model: Llama, cache: KVCache, context_ids: list[int], max_new_to
     def pick(logits: torch.Tensor, j: int) -> torch.Tensor:
         # Greedy: a tensor [] that stays on the device until the host needs it. Sampled: the sampler syncs.
         if sampler is None:
-            return greedy(logits)
+            return greedy(logits, model.ops)
         with torch.inference_mode():
             return torch.tensor(sampler.draw(logits, j), device=logits.device)
 

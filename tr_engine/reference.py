@@ -42,6 +42,11 @@ def packed_linear(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's maximum of x [..., V] (the first, a NaN counting as the largest): x.argmax(dim=-1)."""
+    return x.argmax(dim=-1)
+
+
 def recycle_update_(table: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> None:
     """table [V, k] int64; tokens [T] int64; logits [T, V]. For each i: table[tokens[i]] <- the k largest logits'
     ids at row i, best first, ties broken by the lower id (a stable sort; topk leaves tie order unspecified).

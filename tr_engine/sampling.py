@@ -90,13 +90,17 @@ def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
 _CHUNK = 128  # greedy() reads a CPU row of logits in chunks of this many
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy(logits: torch.Tensor, ops=None) -> torch.Tensor:
     """logits.argmax(dim=-1), the same index bit for bit (ties go to the lowest id, a NaN counts as the largest value),
     faster on a CPU. PyTorch's CPU argmax carries an index with every element (~0.9 ns each here: 85 us for a row of
-    SmolLM2's 49,152 logits, 0.3 ms for an 8-token verify's rows), where a max does not (~0.15 ns). So: the max of
-    each chunk of 128 logits, the first chunk holding the row's max (an argmax over V / 128 values), then the argmax
-    inside that chunk, whose first maximum is the row's first. Elsewhere (a GPU, a vocabulary not in whole chunks)
+    SmolLM2's 49,152 logits, 0.3 ms for an 8-token verify's rows), where a max does not (~0.15 ns). With the model's
+    `ops` (tr_engine.ops), CPU float32/float64 logits take ops.argmax_rows: one op (after a step has streamed the
+    weights, each small PyTorch op's dispatch costs tens of microseconds). Without: the max of each chunk of 128
+    logits, the first chunk holding the row's max (an argmax over V / 128 values), then the argmax inside that chunk,
+    whose first maximum is the row's first. Elsewhere (a GPU, a vocabulary not in whole chunks)
     logits.argmax(dim=-1)."""
+    if ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return ops.argmax_rows(logits)
     V = logits.shape[-1]
     if logits.device.type != "cpu" or V % _CHUNK or V < 4 * _CHUNK:
         return logits.argmax(dim=-1)

@@ -181,7 +181,7 @@ def speculative_steps(
     first = prefill_and_seed(model, cache, new, seed_matrix)
     t1 = time.perf_counter()
     with torch.inference_mode():
-        out = [int(greedy(first)) if sampler is None else sampler.draw(first, 0)]
+        out = [int(greedy(first, ops)) if sampler is None else sampler.draw(first, 0)]
     yield list(out)
     history, accept_lengths, verify_tokens, clock = list(context_ids) + out, [], [], PhaseClock()
     finished = out[0] in eos_ids or max_new_tokens == 1
@@ -201,7 +201,7 @@ def speculative_steps(
             if sampler is not None:
                 path, committed = accept_sampled(draft, logits, sampler, len(out))
             else:
-                path, committed = accept(draft, top_ids[:, 0] if sharded else greedy(logits))
+                path, committed = accept(draft, top_ids[:, 0] if sharded else greedy(logits, ops))
             clock.lap("accept")
             compact(cache, path, ops)
             drafter.learn(draft, committed, clock.lap("compact"))  # (the adaptive tree's statistics and step times)
