@@ -60,6 +60,10 @@ class StepGraphs:
     def shard(self):
         return self.model.shard  # (always the whole model: the engine refuses CUDA graphs with --tp)
 
+    @property
+    def ops(self):
+        return self.model.ops  # (the decode loops' greedy choice reads them)
+
     def bucket(self, T: int, start: int) -> int | None:
         """The bucket a step of T tokens at `start` runs in, or None to run it eagerly."""
         b = next((b for b in self.buckets if b >= T), None)
