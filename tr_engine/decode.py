@@ -65,11 +65,12 @@ def run_to_end(steps) -> Generation:
 
 @torch.inference_mode()
 def decode_step(model: Llama, cache: KVCache, token: torch.Tensor) -> torch.Tensor:
-    """Feed one token (a tensor [], on the cache's device) and commit it; return the logits [V] after it."""
+    """Feed one token (a tensor [1], on the cache's device) and commit it; return the logits [1, V] after it. (No
+    view or select more than needed: right after a step, each small op costs tens of microseconds on a CPU.)"""
     position = torch.tensor([cache.length], device=cache.data.device)
-    logits = model(token.view(1), position, cache.data, cache.length)  # [1, V]
+    logits = model(token, position, cache.data, cache.length)  # [1, V]
     cache.length += 1
-    return logits[0]
+    return logits
 
 
 def plain_steps(model: Llama, cache: KVCache, context_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...],
@@ -81,14 +82,15 @@ def plain_steps(model: Llama, cache: KVCache, context_ids: list[int], max_new_to
     cache.check_room(len(new) + max_new_tokens, "the prompt plus --max-new-tokens")
 
     def pick(logits: torch.Tensor, j: int) -> torch.Tensor:
-        # Greedy: a tensor [] that stays on the device until the host needs it. Sampled: the sampler syncs.
+        # logits [1, V] -> the token, a tensor [1]. Greedy: it stays on the device until the host needs it. Sampled:
+        # the sampler syncs.
         if sampler is None:
             return greedy(logits, model.ops)
         with torch.inference_mode():
-            return torch.tensor(sampler.draw(logits, j), device=logits.device)
+            return torch.tensor([sampler.draw(logits[0], j)], device=logits.device)
 
     t0 = time.perf_counter()
-    token = pick(prefill(model, cache, new), 0)
+    token = pick(prefill(model, cache, new)[None], 0)
     t1 = time.perf_counter()
     out, finish = [], "length"
     for _ in range(max_new_tokens):

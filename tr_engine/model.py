@@ -244,6 +244,10 @@ class Llama(nn.Module):
         self.fused_layers = False  # the layers as one op (pack_); a benchmark may turn it off to compare
         self.fused_weights: list[torch.Tensor] = []  # its weights, six a layer, and (n_heads, ffn, eps)
         self.fused_dims: tuple = ()
+        # A CPU decode step's mask, a one-node tree (and flattened, as a batch of one): made once. After a step has
+        # streamed the weights through the caches, each small PyTorch op costs tens of microseconds.
+        self.one_node = torch.ones(1, 1, dtype=torch.bool, device="cpu")  # (a model is built on the meta device)
+        self.one_node_flat = self.one_node.view(-1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -302,8 +306,8 @@ class Llama(nn.Module):
         # (A prefix length in a tensor is a step that tr_engine/graphs.py replays; on a CPU, where packed models live,
         # it is read here as tree_attention_dynamic's CPU kernel reads it: its slots are start..start+T-1 all the same.)
         prefix = int(start) if isinstance(start, torch.Tensor) else start
-        return RaggedBatch(slots=[0], prefix_lens=[prefix], offsets=[0, T], tree_masks=mask.tree.reshape(-1),
-                           seq=None, pos=None)
+        flat = self.one_node_flat if mask.tree is self.one_node else mask.tree.reshape(-1)
+        return RaggedBatch(slots=[0], prefix_lens=[prefix], offsets=[0, T], tree_masks=flat, seq=None, pos=None)
 
     def forward(
         self,
@@ -348,7 +352,7 @@ class Llama(nn.Module):
         elif T == 1 and device.type == "cpu":
             # A CPU decode step is a one-node tree: the op beats PyTorch's fused attention for one query at the
             # prefixes a chat reaches (bench/results/kernels_cpu.md).
-            mask = AttentionMask(tree=torch.ones(1, 1, dtype=torch.bool, device=device))
+            mask = AttentionMask(tree=self.one_node)
         elif T == 1:
             mask = AttentionMask()  # a GPU decode step: PyTorch's fused attention, nothing to mask
         elif start == 0 and device.type == "cpu":
