@@ -131,7 +131,7 @@ inline void check_argmax_rows_args(const at::Tensor& x) {
 
 // decoder_layers (CPU only): the layers' tensors against x [T, E] and the cache kv [L, N, 2, Hkv, S, D]; weights
 // holds 6 per layer (input_norm, qkv, o, post_norm, gate_up, down), each projection packed (pack_linear) from its
-// [out, in] weight. The attention part is then checked as tree_attention_batch's, on the layers' queries.
+// [out, in] weight, then optionally the final norm's [E]. The attention part is then checked as tree_attention_batch's, on the layers' queries.
 inline void check_decoder_layers_args(const at::Tensor& x, at::TensorList weights, const at::Tensor& cos,
                                       const at::Tensor& sin, const at::Tensor& kv, int64_t n_heads, int64_t ffn) {
   TORCH_CHECK(x.dim() == 2, "decoder_layers: x must be [T, E], got ", x.dim(), " dims");

@@ -242,8 +242,8 @@ class Llama(nn.Module):
         self.rope_cos: torch.Tensor | None = None  # [S, D], from set_max_positions()
         self.rope_sin: torch.Tensor | None = None
         self.fused_layers = False  # the layers as one op (pack_); a benchmark may turn it off to compare
-        self.fused_weights: list[torch.Tensor] = []  # its weights, six a layer, and (n_heads, ffn, eps)
-        self.fused_dims: tuple = ()
+        self.fused_weights: list[torch.Tensor] = []  # its weights, six a layer, then the final norm's
+        self.fused_dims: tuple = ()  # (n_heads, ffn, eps)
         # A CPU decode step's mask, a one-node tree (and flattened, as a batch of one): made once. After a step has
         # streamed the weights through the caches, each small PyTorch op costs tens of microseconds.
         self.one_node = torch.ones(1, 1, dtype=torch.bool, device="cpu")  # (a model is built on the meta device)
