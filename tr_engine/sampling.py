@@ -87,27 +87,15 @@ def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(p).index_copy_(0, keep, p[keep])
 
 
-_CHUNK = 128  # greedy() reads a CPU row of logits in chunks of this many
-
-
-def greedy(logits: torch.Tensor, ops=None) -> torch.Tensor:
-    """logits.argmax(dim=-1), the same index bit for bit (ties go to the lowest id, a NaN counts as the largest value),
-    faster on a CPU. PyTorch's CPU argmax carries an index with every element (~0.9 ns each here: 85 us for a row of
-    SmolLM2's 49,152 logits, 0.3 ms for an 8-token verify's rows), where a max does not (~0.15 ns). With the model's
-    `ops` (tr_engine.ops), CPU float32/float64 logits take ops.argmax_rows: one op (after a step has streamed the
-    weights, each small PyTorch op's dispatch costs tens of microseconds). Without: the max of each chunk of 128
-    logits, the first chunk holding the row's max (an argmax over V / 128 values), then the argmax inside that chunk,
-    whose first maximum is the row's first. Elsewhere (a GPU, a vocabulary not in whole chunks)
-    logits.argmax(dim=-1)."""
-    if ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+def greedy(logits: torch.Tensor, ops) -> torch.Tensor:
+    """logits.argmax(dim=-1), the same index bit for bit (ties go to the lowest id, a NaN counts as the largest
+    value), with the model's `ops` (tr_engine.ops): CPU float32/float64 logits take ops.argmax_rows, one op where
+    PyTorch's CPU argmax carries an index with every element (~0.9 ns each here: 85 us for a row of SmolLM2's 49,152
+    logits) and where any chain of small ops pays tens of microseconds a dispatch right after a step has streamed the
+    weights. Elsewhere (a GPU, half types) logits.argmax(dim=-1)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return ops.argmax_rows(logits)
-    V = logits.shape[-1]
-    if logits.device.type != "cpu" or V % _CHUNK or V < 4 * _CHUNK:
-        return logits.argmax(dim=-1)
-    chunks = logits.reshape(*logits.shape[:-1], V // _CHUNK, _CHUNK)  # [..., C, 128]
-    best = chunks.amax(dim=-1).argmax(dim=-1, keepdim=True)  # [..., 1]: the first chunk holding the max (or a NaN)
-    inside = chunks.gather(-2, best[..., None].expand(*best.shape, _CHUNK)).squeeze(-2).argmax(dim=-1)
-    return best.squeeze(-1) * _CHUNK + inside
+    return logits.argmax(dim=-1)
 
 
 def sample(p: torch.Tensor, noise: torch.Tensor) -> int:
