@@ -2,7 +2,7 @@
 // (the first maximum; a NaN counts as the largest value, the first NaN wins), for greedy decoding's choice.
 //
 // Why a kernel: PyTorch's CPU argmax carries an index with every element (~0.9 ns each here, 85 us for a row of
-// SmolLM2's 49,152 logits), and the chunked max-then-argmax that sampling.greedy builds from PyTorch ops takes nine
+// SmolLM2's 49,152 logits), and the chunked max-then-argmax that sampling.greedy built from PyTorch ops took nine
 // small ops, each one a dispatch that, right after a step has streamed the model's weights through the caches, costs
 // tens of microseconds (~0.15 ms a plain step). Here: one pass for the max (and whether a NaN is there), a max with no
 // index to carry, which the compiler vectorises; then the first element equal to it, found a chunk at a time.
