@@ -66,6 +66,22 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(dtype):
     assert torch.equal(kernels.packed_linear(x[150:151], wp, 960), whole[150:151])
 
 
+def test_weights_are_packed_one_after_another_in_huge_page_chunks():
+    """Weights of up to 8 MB are carved, in packing order, out of shared 64 MB chunks aligned to 2 MB pages (a step
+    streams them as one run, through few TLB entries): each starts on the 4 KB page after the one before, unless it
+    opens a new chunk. Bigger weights start on a 2 MB page of their own. A chunk outlives the packing call that
+    opened it as long as a weight in it lives."""
+    huge, page = 2 << 20, 4096
+    ws = [kernels.pack_linear(torch.ones(n, 576, dtype=torch.bfloat16)) for n in (960, 576, 3072, 576)]
+    for a, b in zip(ws, ws[1:]):
+        after = a.data_ptr() + (a.numel() * 2 + page - 1) // page * page
+        assert b.data_ptr() == after or b.data_ptr() % huge == 0
+        assert torch.equal(b, reference.pack_linear(torch.ones(b.shape[0] * 32, 576, dtype=torch.bfloat16)))
+    big = kernels.pack_linear(torch.ones(8192, 576, dtype=torch.float32))  # 18.9 MB
+    assert big.data_ptr() % huge == 0
+    assert big.unique().tolist() == [1.0]
+
+
 def test_non_contiguous_x_is_accepted():
     _, w = operands(1, 64, 40, torch.float32)
     x = torch.randn(64, 9).t()  # [9, 64], not contiguous
