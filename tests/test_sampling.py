@@ -277,8 +277,9 @@ def tree_samples(model, sampling, prompt, n=SAMPLES) -> tuple[dict[tuple, int], 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
-@pytest.mark.parametrize("sampling", [Sampling(0.5), Sampling(1.0), Sampling(1.0, top_p=0.9)],
-                         ids=["t0.5", "t1", "t1-p0.9"])
+# Temperature 1, the biased sampler's setting below, and a processed distribution (top-p; temperature goes through the
+# same probabilities(), held to its formula above): 4000 runs each, ~12 s here.
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(1.0, top_p=0.9)], ids=["t1", "t1-p0.9"])
 def test_tree_sampling_has_the_models_distribution(small, sampling):
     exact = exact_first_tokens(small, PROMPT, sampling)
     counts, mat = tree_samples(small, sampling, PROMPT)
