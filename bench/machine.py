@@ -33,9 +33,21 @@ def git_commit() -> str:
         return "unknown"
 
 
+def cpu_tier() -> str:
+    """The CPU kernel tier the ops run (tr_engine/cpu.py), loading the default one if none is yet."""
+    from tr_engine import cpu
+    from tr_engine.errors import UserError
+
+    try:
+        return cpu.active() or cpu.use()
+    except (UserError, ImportError):  # not built, or TR_ENGINE_CPU names a tier this CPU cannot run
+        return "none"
+
+
 def machine_info(device: str = "cpu") -> dict:
     info = {
         "cpu": cpu_model(),
+        "cpu_tier": cpu_tier(),
         "cores": len(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -49,7 +61,8 @@ def machine_info(device: str = "cpu") -> dict:
 
 def machine_line(info: dict) -> str:
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
-    return (f"{info['cpu']}, {info['cores']} cores, {info['threads']} threads{gpu}; torch {info['torch']}, "
+    tier = f", kernel tier {info['cpu_tier']}" if info.get("cpu_tier") else ""
+    return (f"{info['cpu']}{tier}, {info['cores']} cores, {info['threads']} threads{gpu}; torch {info['torch']}, "
             f"Python {info['python']}, commit {info['commit']}")
 
 

@@ -3,6 +3,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/tiers.h"
+
 TORCH_LIBRARY(tr_engine, m) {
   // For every (layer, k|v, head) row of cache [L, 2, Hkv, S, D]: slots dst_start + i <- old slot src_slots[i],
   // i = 0..n-1, all read before any is written (overlapping ranges are safe; a repeated source is copied to each of
@@ -71,6 +73,15 @@ TORCH_LIBRARY(tr_engine, m) {
   // x.argmax(dim=-1) for logits x [..., V] (float32, float64; CPU), bit for bit: the first index of each row's
   // maximum, a NaN counting as the largest value. Greedy decoding's choice (sampling.greedy), in one op.
   m.def("argmax_rows(Tensor x) -> Tensor");
+
+  // The CPU kernel tiers (csrc/cpu/tiers.cpp; tr_engine/cpu.py chooses among them). cpu_features: the features the
+  // tiers may need that this CPU and its OS support ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+  // "avx512dq", "avx512bf16"; "neon" on aarch64). use_cpu_tier: make the tier library at `path` (built for tier
+  // `name`, needing every feature in `needs`) the one every CPU op calls; refused, with nothing changed, if this CPU
+  // lacks a feature or the library is not that tier's of this build. cpu_tier: the active tier's name, "" if none.
+  m.def("cpu_features() -> str[]", &tr_engine_cpu::cpu_features);
+  m.def("use_cpu_tier(str name, str path, str[] needs) -> ()", &tr_engine_cpu::use_cpu_tier);
+  m.def("cpu_tier() -> str", &tr_engine_cpu::cpu_tier);
 }
 
 // `import tr_engine._C` loads this library, which runs the registrations above; the module itself is empty.

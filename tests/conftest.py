@@ -39,6 +39,33 @@ def private_home(tmp_path_factory):
     os.environ["TR_ENGINE_HOME"] = str(tmp_path_factory.mktemp("home"))
 
 
+def runnable_cpu_tiers() -> list[str]:
+    """The CPU kernel tiers this machine can run, best first (tr_engine/cpu.py): on an AVX-512 machine avx512bf16 (with
+    bf16 dot products), avx512, avx2 and scalar; on an AVX2 one avx2 and scalar."""
+    from tr_engine import cpu
+
+    try:
+        return [t.name for t in cpu.runnable()]
+    except ImportError:  # the op library is not built: the tests that need it say so
+        return []
+
+
+CPU_TIERS = runnable_cpu_tiers()
+
+
+@pytest.fixture(params=CPU_TIERS)
+def cpu_tier(request):
+    """Runs a test once per CPU tier this machine can run, with that tier's kernels behind every CPU op (then the
+    tier before). A module opts in whole with `pytestmark = pytest.mark.usefixtures("cpu_tier")`."""
+    from tr_engine import cpu
+
+    before = cpu.active()
+    cpu.use(request.param)
+    yield request.param
+    if before:
+        cpu.use(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_factory(tmp_path_factory):
     """tiny_factory(name, **kwargs) -> folder of a tiny random Llama (cached per name for the session)."""

@@ -305,6 +305,9 @@ def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, t
     # a --tp run's steps pay collectives too, and CUDA graphs change a step's cost: each keeps a curve of its own
     assert len({cost_path(tmp_path, cost_key(folder.name, torch.float64, torch.device("cpu"), "reference", graphs, tp))
                 for graphs in (False, True) for tp in (1, 2)} - {saved[0]}) == 3
+    # and so does each CPU kernel tier (tr_engine/cpu.py): an AVX2 verify costs more plain steps than an AVX-512 one
+    assert len({cost_path(tmp_path, cost_key(folder.name, torch.bfloat16, torch.device("cpu"), "kernels", cpu_tier=t))
+                for t in ("avx512bf16", "avx2", "scalar")}) == 3
     engine.save_matrix(tmp_path / "m.pt")  # the matrix travels with its confidences (the adaptive tree reads them)
     again.load_matrix(tmp_path / "m.pt")
     assert engine.matrix.confidence.any() and torch.equal(again.matrix.confidence, engine.matrix.confidence)

@@ -12,6 +12,8 @@ from tr_engine.ops import load_ops
 from tr_engine.tree import ancestor_mask
 
 kernels = load_ops("kernels")
+# Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).
+pytestmark = pytest.mark.usefixtures("cpu_tier")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-2, rtol=2e-2),
              torch.float16: dict(atol=5e-3, rtol=5e-3)}

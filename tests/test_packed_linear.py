@@ -8,6 +8,8 @@ from tr_engine import reference
 from tr_engine.ops import PackedWeight, load_ops
 
 kernels = load_ops("kernels")
+# Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).
+pytestmark = pytest.mark.usefixtures("cpu_tier")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -106,8 +106,8 @@ def test_gumbel_max_draws():
 
 
 @pytest.mark.parametrize("ops", ["kernels", "reference"])
-def test_greedy_is_argmax_bit_for_bit(ops):
-    """greedy() (the decode loops' argmax: ops.argmax_rows on a CPU, the kernel or its reference) returns
+def test_greedy_is_argmax_bit_for_bit(ops, cpu_tier):
+    """greedy() (the decode loops' argmax: ops.argmax_rows on a CPU, the kernel on every CPU tier, or its reference) returns
     torch.argmax's index on every row: random rows, ties (the lowest id; -0 and +0 tie), NaNs (the first one),
     infinities, all -inf, float64, 1-D, 3-D and empty, one logit, and a vocabulary not in whole chunks."""
     ops = load_ops(ops)

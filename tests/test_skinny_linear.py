@@ -8,6 +8,8 @@ from tr_engine import reference
 from tr_engine.ops import load_ops
 
 kernels = load_ops("kernels")
+# Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).
+pytestmark = pytest.mark.usefixtures("cpu_tier")
 
 
 def operands(T, K, N, dtype, seed=0):

@@ -9,6 +9,8 @@ from tr_engine.ops import load_ops
 from tr_engine.tree import ancestor_mask, build_tree, load_tree
 
 kernels = load_ops("kernels")
+# Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).
+pytestmark = pytest.mark.usefixtures("cpu_tier")
 
 
 def random_tree_mask(T: int, g: torch.Generator) -> torch.Tensor:

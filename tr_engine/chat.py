@@ -108,9 +108,11 @@ class Session:
                 f"prefill {g.prompt_tokens} tokens in {g.prefill_s:.2f}s]")
 
     def stats(self) -> str:
+        tier = self.engine.cpu_tier
+        kernels = f"kernels: CPU tier {tier}" if tier else f"kernels: {self.engine.model.device.type}"
         if not self.results:
-            return "no answers yet"
-        return "\n".join([describe("last answer", self.results[-1:]), describe("session", self.results)])
+            return f"no answers yet; {kernels}"
+        return "\n".join([describe("last answer", self.results[-1:]), describe("session", self.results), kernels])
 
 
 def describe(title: str, results) -> str:

@@ -179,9 +179,10 @@ def _positive(x) -> bool:
 
 
 def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str, cuda_graphs: bool = False,
-             tp: int = 1) -> dict:
+             tp: int = 1, cpu_tier: str | None = None) -> dict:
     """What the cost curve depends on; a cached curve with another key is measured again. (`tp`: a step under
-    tensor parallelism pays the ranks' collectives too, a cost of its own.)"""
+    tensor parallelism pays the ranks' collectives too, a cost of its own; `cpu_tier`: the CPU kernels' instruction
+    set, tr_engine/cpu.py, whose verify costs differ most of all.)"""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -193,7 +194,8 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     return {"model": model_name, "dtype": str(dtype).removeprefix("torch."), "device": where,
             "threads": torch.get_num_threads(), "ops": ops, "torch": torch.__version__,
-            "build": kernels_build() if "kernels" in ops else None, "cuda_graphs": cuda_graphs, "tp": tp}
+            "build": kernels_build() if "kernels" in ops else None, "cuda_graphs": cuda_graphs, "tp": tp,
+            "cpu_tier": cpu_tier}
 
 
 def kernels_build() -> str:
@@ -206,5 +208,6 @@ def kernels_build() -> str:
 def cost_path(home: Path, key: dict) -> Path:
     safe = lambda s: "".join(c if c.isalnum() or c in "-._" else "_" for c in str(s))  # noqa: E731
     variant = ("-graphs" if key.get("cuda_graphs") else "") + (f"-tp{key['tp']}" if key.get("tp", 1) > 1 else "")
-    name = f"{key['model']}-{key['dtype']}-{key['device']}-t{key['threads']}-{key['ops']}{variant}.json"
+    tier = f"-{key['cpu_tier']}" if key.get("cpu_tier") else ""
+    name = f"{key['model']}-{key['dtype']}-{key['device']}{tier}-t{key['threads']}-{key['ops']}{variant}.json"
     return home / "costs" / safe(name)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tr_engine import checks, parallel
+from tr_engine import checks, cpu, parallel
 from tr_engine.decode import Generation, plain_steps, run_to_end
 from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.batch import Request, batch_steps
@@ -119,6 +119,14 @@ class Engine:
         self.batch_context = min(batch_context or DEFAULT_BATCH_CONTEXT, max_context)
         self._batch_cache: BatchKVCache | None = None
 
+    @property
+    def cpu_tier(self) -> str | None:
+        """The CPU kernel tier this engine's compiled ops run (tr_engine/cpu.py: "avx512bf16", "avx2", ...),
+        "reference" when its ops are the pure-PyTorch ones, None off the CPU."""
+        if self.model.device.type != "cpu":
+            return None
+        return cpu.active() if "kernels" in self.ops.kind else "reference"
+
     def drafter(self, method: str):
         """The engine's drafter for `method` (a registered drafter's name), made on first use; the drafters of
         methods that keep a recycling matrix share the engine's."""
@@ -152,7 +160,7 @@ class Engine:
 
     def _cost_location(self):
         key = cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops.kind, self.cuda_graphs,
-                       self.model.shard.world)
+                       self.model.shard.world, self.cpu_tier if "kernels" in self.ops.kind else None)
         return key, cost_path(home(), key)
 
     def cost_model(self, recalibrate: bool = False) -> CostModel:

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                              temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     try:
         if args.json:
-            print(json.dumps(result.as_dict(), ensure_ascii=False), flush=True)
+            print(json.dumps({**result.as_dict(), "cpu_tier": engine.cpu_tier}, ensure_ascii=False), flush=True)
         else:
             print(result.text, flush=True)
             g = result.generation
@@ -116,7 +116,7 @@ def answer_file(engine, prompts: list, args, sampling) -> int:
             print(f"error: {error}", file=sys.stderr, flush=True)
             print(json.dumps({"index": i, "error": error}, ensure_ascii=False), flush=True)
         else:
-            print(json.dumps({"index": i, **r.as_dict()}, ensure_ascii=False), flush=True)
+            print(json.dumps({"index": i, **r.as_dict(), "cpu_tier": engine.cpu_tier}, ensure_ascii=False), flush=True)
     if args.matrix:
         try:
             engine.save_matrix(args.matrix)

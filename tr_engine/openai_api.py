@@ -204,7 +204,8 @@ def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None 
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, **app.state.scheduler.stats()}
+        return {"status": "ok", "model": model_name, "cpu_tier": app.state.engine.cpu_tier,
+                **app.state.scheduler.stats()}
 
     @app.get("/v1/models")
     async def models():

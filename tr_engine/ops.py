@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tr_engine import reference
+from tr_engine import cpu, reference
 from tr_engine.errors import InvalidType, UserError
 
 OP_NAMES = ("compact_kv_", "skinny_linear", "pack_linear", "packed_linear", "recycle_update_", "tree_attention",
@@ -117,6 +117,8 @@ def _load(kind: str) -> SimpleNamespace:
     if KERNELS_MISSING:
         raise UserError(f"the compiled ops are not built ({KERNELS_MISSING}); run `make install`, or pass --ops "
                         "reference")
+    if not cpu.active():
+        cpu.use()  # the tier TR_ENGINE_CPU names, or the best this CPU runs; a one-line error when it cannot be had
 
     def linear(x: torch.Tensor, w) -> torch.Tensor:
         """x [T, K] @ w.T: packed_linear for a PackedWeight; else F.linear, through skinny_linear for the few rows of a
@@ -181,7 +183,9 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape)
 
 
-# The compiled library registers torch.ops.tr_engine.* when it loads; its fakes go with it.
+# The compiled library registers torch.ops.tr_engine.* when it loads; its fakes go with it. Its CPU ops call the
+# kernels of one instruction-set tier (tr_engine/cpu.py): the best this CPU runs, or TR_ENGINE_CPU's, loaded here (or,
+# if TR_ENGINE_CPU names one this CPU cannot run, refused in one line by load_ops("kernels")).
 try:
     import tr_engine._C  # noqa: F401
 except ImportError as e:
@@ -189,3 +193,7 @@ except ImportError as e:
 else:
     KERNELS_MISSING = ""
     _register_fakes()
+    try:
+        cpu.use()
+    except UserError:
+        pass

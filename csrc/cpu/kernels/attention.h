@@ -1,0 +1,558 @@
+// The attention of a verify step (tree_attention and its batch form), written once over simd.h's Vec: each of the T
+// tree tokens attends to every cached prefix key and to its own ancestors in the tree. A task is 6 query rows of one
+// KV head (the G query heads that share it, for one or more tokens), and all scores and outputs run through the same
+// register-tiled micro-GEMMs:
+//  - whole blocks of prefix keys need no mask: scores against all their keys, read once for the task's rows;
+//  - the tree part is sparse (a token sees depth + 1 of the T tree keys): the task gathers just the union of its
+//    tokens' ancestors (a dozen keys, not T), and each token's rows pick theirs out of those scores.
+// No [T, P + T] mask is ever built. Softmax runs in float (double for float64 inputs). The kernel is row-independent:
+// a row's bits depend only on its query and the keys it sees (attend_rows says how), so a verify step reproduces
+// plain decoding exactly, in bfloat16 too.
+#pragma once
+
+#include "api.h"
+#include "parallel.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <new>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace tr_engine_cpu {
+
+
+// A micro-tile is kRows query rows x kCols keys (scores) or head-dim columns (output), kRows x kCols / kLanes
+// accumulators: with AVX-512, 6 x 64 floats are 24 of the 32 registers, which measured ~105 GFLOPS on one core, against
+// ~55 for 4 x 64 tiles; 6 x 16 on 16 registers of 8 lanes (AVX2) or 32 of 4 (NEON) fill them alike.
+constexpr int64_t kRows = 6;
+constexpr int64_t kCols = kLanes == 16 ? 64 : 16;
+constexpr int64_t kKeyPad = 16;  // prefix keys are padded to a multiple of this (one vector), not of kCols
+constexpr int64_t kKeyBlock = 256;  // keys per softmax block: 6 rows of scores stay in L1 (6 KB)
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// 2^x for x <= 0 (convert.h's exp2_clamped; its bits for x >= -126, 0 below). Scores are kept in log2 units (the
+// queries are pre-multiplied by log2(e)), so softmax needs 2^x; masked scores are -inf and give 0.
+inline float exp2_nonpositive(float x) { return x < -126.0f ? 0.f : exp2_clamped(x); }
+inline double exp2_nonpositive(double x) { return std::exp2(x); }
+
+// s[r, j] = sum_d q[r, d] * kt[d, j] for r < R and the W keys j0..j0+W-1. q [R, D]; kt [D, ldk] holds the keys
+// transposed, so the innermost loop runs along keys: one broadcast of q[r, d] times a vector of keys.
+template <typename Acc, int64_t R, int64_t W>
+void scores_chunk(const Acc* q, int64_t D, const Acc* kt, int64_t ldk, int64_t j0, Acc* s, int64_t lds) {
+  Acc acc[R][W] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const Acc* k = kt + d * ldk + j0;
+    for (int64_t r = 0; r < R; ++r) {
+      const Acc qv = q[r * D + d];
+#pragma omp simd
+      for (int64_t j = 0; j < W; ++j) acc[r][j] = fmadd(qv, k[j], acc[r][j]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) std::copy(acc[r], acc[r] + W, s + r * lds + j0);
+}
+
+// All n keys (a multiple of kKeyPad): wide chunks, then narrow ones for the rest.
+template <typename Acc, int64_t R>
+void scores_tile(const Acc* q, int64_t D, const Acc* kt, int64_t ldk, int64_t n, Acc* s, int64_t lds) {
+  int64_t j0 = 0;
+  for (; j0 + kCols <= n; j0 += kCols) scores_chunk<Acc, R, kCols>(q, D, kt, ldk, j0, s, lds);
+  for (; j0 < n; j0 += kKeyPad) scores_chunk<Acc, R, kKeyPad>(q, D, kt, ldk, j0, s, lds);
+}
+
+
+// o[r, c0 + c] += sum_{j < n} p[r, j] * rows[j][c0 + c] for r < R and the W columns from c0: one block's value rows
+// (cache rows or tree rows, wherever they are) in their storage type, converted in the loop (bf16 -> float is a
+// shift); o [R, D]. The sum runs over j in order whatever the rows' source, so a row's output bits depend only on
+// which value rows it sees, in which order.
+template <typename Acc, int64_t R, int64_t W, typename V>
+void values_chunk(const Acc* p, int64_t ldp, const V* const* rows, int64_t c0, int64_t n, Acc* o, int64_t D) {
+  // The same multiply-adds as the loop below, written out in vectors: the compiler leaves the loop scalar for a
+  // single row (a decode step), where it was half of the attention's time.
+  if constexpr (std::is_same_v<Acc, float> && W % kLanes == 0) {
+    constexpr int64_t NV = W / kLanes;
+    Vec acc[R][NV];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < NV; ++i) acc[r][i] = zero();
+    for (int64_t j = 0; j < n; ++j) {
+      const V* vj = rows[j] + c0;
+      Vec vv[NV];
+      for (int64_t i = 0; i < NV; ++i) vv[i] = load(vj + kLanes * i);
+      for (int64_t r = 0; r < R; ++r) {
+        const Vec pv = broadcast(p[r * ldp + j]);
+        for (int64_t i = 0; i < NV; ++i) acc[r][i] = mul_add(pv, vv[i], acc[r][i]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < NV; ++i) {
+        float* dst = o + r * D + c0 + kLanes * i;
+        store(dst, add(load(dst), acc[r][i]));
+      }
+    return;
+  }
+  Acc acc[R][W] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const V* vj = rows[j] + c0;
+    for (int64_t r = 0; r < R; ++r) {
+      const Acc pv = p[r * ldp + j];
+#pragma omp simd
+      for (int64_t c = 0; c < W; ++c) acc[r][c] = fmadd(pv, Acc(to_float(vj[c])), acc[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < W; ++c) o[r * D + c0 + c] += acc[r][c];
+}
+
+// All D columns: wide chunks, then one vector, then single columns (head dims that are not a multiple of 16).
+template <typename Acc, int64_t R, typename V>
+void values_tile(const Acc* p, int64_t ldp, const V* const* rows, int64_t n, Acc* o, int64_t D) {
+  int64_t c0 = 0;
+  for (; c0 + kCols <= D; c0 += kCols) values_chunk<Acc, R, kCols>(p, ldp, rows, c0, n, o, D);
+  for (; c0 + kKeyPad <= D; c0 += kKeyPad) values_chunk<Acc, R, kKeyPad>(p, ldp, rows, c0, n, o, D);
+  for (; c0 < D; ++c0) values_chunk<Acc, R, 1>(p, ldp, rows, c0, n, o, D);
+}
+
+// values_tile for a runtime number of rows (1..kRows), each count compiled on its own.
+template <typename Acc, typename V>
+void values_rows(int64_t rows_n, const Acc* p, int64_t ldp, const V* const* rows, int64_t n, Acc* o, int64_t D) {
+  switch (rows_n) {
+    case 1: values_tile<Acc, 1>(p, ldp, rows, n, o, D); break;
+    case 2: values_tile<Acc, 2>(p, ldp, rows, n, o, D); break;
+    case 3: values_tile<Acc, 3>(p, ldp, rows, n, o, D); break;
+    case 4: values_tile<Acc, 4>(p, ldp, rows, n, o, D); break;
+    case 5: values_tile<Acc, 5>(p, ldp, rows, n, o, D); break;
+    default: values_tile<Acc, kRows>(p, ldp, rows, n, o, D); break;
+  }
+}
+
+// A buffer aligned to 64 bytes (one vector). Every row of scores starts on a vector boundary, so a vectorised sum
+// over a row splits into lanes the same way wherever the row lives: part of what makes the results row-independent.
+template <typename T>
+struct Aligned {
+  struct Free {
+    void operator()(T* p) const { ::operator delete[](p, std::align_val_t(64)); }
+  };
+  std::unique_ptr<T[], Free> ptr;
+  explicit Aligned(int64_t n) : ptr(static_cast<T*>(::operator new[](sizeof(T) * std::max<int64_t>(n, 1),
+                                                                      std::align_val_t(64)))) {}
+  T* get() const { return ptr.get(); }
+};
+
+// A buffer of at least n elements, kept by the calling thread from one call to the next (grown, never shrunk): a
+// fresh allocation of megabytes each call would page-fault every page of it in again, which costs more than the
+// conversion that fills it. `slot` tells apart the buffers one call needs at once.
+template <typename T>
+T* reused(int64_t n, int slot) {
+  thread_local std::vector<Aligned<T>> buffers;
+  thread_local std::vector<int64_t> capacity;
+  while (static_cast<int64_t>(buffers.size()) <= slot) {
+    buffers.emplace_back(0);
+    capacity.push_back(0);
+  }
+  if (capacity[slot] < n) {
+    buffers[slot] = Aligned<T>(n);
+    capacity[slot] = n;
+  }
+  return buffers[slot].get();
+}
+
+// One KV head's keys in Acc, laid out for the score tiles: prefix keys transposed ([D, ld]; the padding keys' scores
+// are computed and dropped) and tree keys as rows ([T, D]). Values need no layout change: the tiles read them from
+// the cache where they are. Either the whole prefix (ld = P rounded up to kKeyPad), converted once for all the tasks
+// of a head into a reused buffer, or a window of one block of it (ld = kKeyBlock, from slot `base`), converted by a
+// head's only task just before it scores the block: a decode step's keys are then read once from the cache and used
+// while in cache, where a whole head's copy (P x D floats, 16 MB a layer for a 7B model at P = 1024) would go out to
+// memory and back. The values are the same either way (bf16 -> float is exact), so are the scores.
+// bf16 keys (with AVX-512) are transposed without converting them: `pairs` holds the prefix keys as [D/2, ld] 32-bit
+// words, word (i, j) the bf16 values of dims 2i and 2i + 1 of key j side by side, and the score tiles widen them to
+// floats in registers (scores_chunk_pairs). A 16 x 16 transpose then moves 32 dims, not 16, and writes half the bytes;
+// the floats the tiles multiply, and so the scores, are the same bits. Measured alone on SmolLM2's shape (9 query
+// and 3 KV heads of 64), alternating in one process: a decode step's attention 19-27% faster (2 threads, prefix 256
+// and 1024), an 8-token verify's 15-19%.
+template <typename Acc>
+struct HeadKeys {
+  int64_t D, P, ld, T;
+  bool pairs;  // the prefix keys as bf16 pairs (see above), not as Acc
+  int64_t base = 0;  // the first prefix slot held
+  Acc* data;  // D * ld + T * D elements, uninitialised: fill_keys writes every element that is read
+  Acc* kt() { return data; }
+  Acc* ktree() { return kt() + D * ld; }
+  const Acc* prefix(int64_t j) { return kt() + (j - base); }  // the column of prefix slot j (not for pairs)
+  HeadKeys(int64_t D, int64_t P, int64_t T, int64_t ld, Acc* data, bool pairs)
+      : D(D), P(P), ld(ld), T(T), pairs(pairs), data(data) {}
+  static int64_t size(int64_t D, int64_t T, int64_t ld) { return D * ld + T * D; }
+};
+
+// s[r, j0 + j] for the W keys from j0, keys as bf16 pairs ([D/2, ldk] words): the multiply-adds of scores_chunk in
+// the same order (dim 0, 1, 2, ... into one accumulator per score), each pair widened to two float vectors (a shift
+// for the even dim, a mask for the odd one: exact). q [R, D] floats, D even.
+template <int64_t R, int64_t W>
+void scores_chunk_pairs(const float* q, int64_t D, const float* kp, int64_t ldk, int64_t j0, float* s,
+                        int64_t lds) {
+  constexpr int64_t NV = W / kLanes;
+  Vec acc[R][NV];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < NV; ++i) acc[r][i] = zero();
+  for (int64_t c = 0; c < D / 2; ++c) {
+    const float* k = kp + c * ldk + j0;
+    Vec kv[NV];
+    for (int64_t i = 0; i < NV; ++i) kv[i] = even(load_words(k + kLanes * i));  // dim 2c: the low halves
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec qv = broadcast(q[r * D + 2 * c]);
+      for (int64_t i = 0; i < NV; ++i) acc[r][i] = mul_add(qv, kv[i], acc[r][i]);
+    }
+    for (int64_t i = 0; i < NV; ++i) kv[i] = odd(load_words(k + kLanes * i));  // dim 2c + 1: the high halves
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec qv = broadcast(q[r * D + 2 * c + 1]);
+      for (int64_t i = 0; i < NV; ++i) acc[r][i] = mul_add(qv, kv[i], acc[r][i]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < NV; ++i) store(s + r * lds + j0 + kLanes * i, acc[r][i]);
+}
+
+// Whether a head's prefix keys are kept as bf16 pairs (HeadKeys): bf16 keys, float scores, D even.
+template <typename scalar_t, typename Acc>
+bool keys_as_pairs(int64_t D) {
+  return std::is_same_v<scalar_t, bf16> && std::is_same_v<Acc, float> && D % 2 == 0;
+}
+
+// The scores of q's R rows against the n prefix keys from slot j (n a multiple of kKeyPad), in either layout.
+template <typename Acc, int64_t R>
+void prefix_scores(const Acc* q, HeadKeys<Acc>& b, int64_t j, int64_t n, Acc* s, int64_t lds) {
+  if constexpr (std::is_same_v<Acc, float>)
+    if (b.pairs) {
+      const float* kp = b.kt() + (j - b.base);
+      int64_t j0 = 0;
+      for (; j0 + kCols <= n; j0 += kCols) scores_chunk_pairs<R, kCols>(q, b.D, kp, b.ld, j0, s, lds);
+      for (; j0 < n; j0 += kKeyPad) scores_chunk_pairs<R, kKeyPad>(q, b.D, kp, b.ld, j0, s, lds);
+      return;
+    }
+  scores_tile<Acc, R>(q, b.D, b.prefix(j), b.ld, n, s, lds);
+}
+
+// Convert the keys of cache slots j0..j1-1 of one head (k points at slot 0; slot_stride elements between slots); the
+// prefix slots among them must lie in b's window. Prefix keys are transposed a kLanes x kLanes tile at a time through
+// registers (simd.h's transpose: kLanes row loads, shuffles, kLanes column stores), where a strided read of each
+// column would be single-element gathers; bf16 pairs move as 32-bit words, unconverted.
+template <typename scalar_t, typename Acc>
+void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t j0, int64_t j1) {
+  const int64_t D = b.D, P = b.P;
+  const int64_t prefix_end = std::min(j1, P);
+  int64_t jb = j0;
+  if constexpr (std::is_same_v<scalar_t, bf16> && std::is_same_v<Acc, float>)
+    if (b.pairs) {  // words, copied bit for bit (memcpy: the buffer holds floats at other times)
+      const int64_t half = D / 2;
+      float* kp = b.kt();
+      for (; jb + kLanes <= prefix_end; jb += kLanes) {
+        int64_t c = 0;
+        for (; c + kLanes <= half; c += kLanes) {
+          Vec rows[kLanes];
+          for (int i = 0; i < kLanes; ++i) rows[i] = load_words(k + (jb + i) * slot_stride + 2 * c);
+          transpose(rows, kp + c * b.ld + (jb - b.base), b.ld);
+        }
+        for (; c < half; ++c)
+          for (int64_t j = 0; j < kLanes; ++j)
+            std::memcpy(kp + c * b.ld + (jb + j - b.base), k + (jb + j) * slot_stride + 2 * c, 4);
+      }
+      for (; jb < prefix_end; ++jb)
+        for (int64_t c = 0; c < half; ++c)
+          std::memcpy(kp + c * b.ld + (jb - b.base), k + jb * slot_stride + 2 * c, 4);
+      jb = prefix_end;
+    }
+  for (; jb + kLanes <= prefix_end; jb += kLanes) {
+    int64_t d = 0;
+    if constexpr (std::is_same_v<Acc, float>)
+      for (; d + kLanes <= D; d += kLanes) {
+        Vec rows[kLanes];
+        for (int i = 0; i < kLanes; ++i) rows[i] = load(k + (jb + i) * slot_stride + d);
+        transpose(rows, b.kt() + d * b.ld + (jb - b.base), b.ld);
+      }
+    for (; d < D; ++d) {
+      Acc* dst = b.kt() + d * b.ld + (jb - b.base);
+      const scalar_t* src = k + jb * slot_stride + d;
+      for (int64_t j = 0; j < kLanes; ++j) dst[j] = to_float(src[j * slot_stride]);
+    }
+  }
+  for (; jb < prefix_end; ++jb)
+    for (int64_t d = 0; d < D; ++d) b.kt()[d * b.ld + (jb - b.base)] = to_float(k[jb * slot_stride + d]);
+  for (int64_t j = std::max(j0, P); j < j1; ++j)
+    for (int64_t d = 0; d < D; ++d) b.ktree()[(j - P) * D + d] = to_float(k[j * slot_stride + d]);
+}
+
+// Where one task works. Its R <= kRows query rows are query head qhead[r] of token tok[r].
+template <typename scalar_t, typename Acc>
+struct TaskScratch {
+  int64_t Tp;                           // T rounded up to kKeyPad
+  Aligned<Acc> qs, s, s_tail, s_tree, ku, o;
+  // [R, D] scaled queries; [R, kKeyBlock] one block's scores; [R, kKeyBlock] scores of the prefix keys past the last
+  // full block; [R, Tp] scores of the tree keys the task sees; [D, Tp] those keys, transposed; [R, D] outputs
+  std::vector<const scalar_t*> value_rows;  // [kKeyBlock] the value rows of one block
+  std::vector<int64_t> tree_keys;           // the union of the task's tokens' visible tree keys (indices into the tree)
+  std::vector<int64_t> own;                 // one token's visible keys, as positions in tree_keys
+  std::unique_ptr<bool[]> seen;             // [T] membership in that union
+  TaskScratch(int64_t D, int64_t T)
+      : Tp(round_up(T, kKeyPad)), qs(kRows * D), s(kRows * kKeyBlock), s_tail(kRows * kKeyBlock),
+        s_tree(kRows * Tp), ku(D * Tp), o(kRows * D), value_rows(kKeyBlock), seen(new bool[T]) {
+    tree_keys.reserve(T);
+    own.reserve(T);
+  }
+};
+
+// The calling thread's scratch for tasks of head dim D over T tree tokens, kept from one call to the next while D and T
+// stay the same (a decode step's 1, a fixed tree's size): its dozen small buffers are not allocated again for every
+// layer of every step. Each task resets the state it uses before it reads it.
+template <typename scalar_t, typename Acc>
+TaskScratch<scalar_t, Acc>& task_scratch(int64_t D, int64_t T) {
+  thread_local std::unique_ptr<TaskScratch<scalar_t, Acc>> scratch;
+  thread_local int64_t shape[2] = {-1, -1};
+  if (!scratch || shape[0] != D || shape[1] != T) {
+    scratch = std::make_unique<TaskScratch<scalar_t, Acc>>(D, T);
+    shape[0] = D;
+    shape[1] = T;
+  }
+  return *scratch;
+}
+
+// The rows of one task. A row's keys form one sequence: cache slots 0..P-1, then its visible tree keys in index
+// order (for a tree in breadth-first order: its ancestors by depth, then itself). The sequence is cut into blocks of
+// kKeyBlock by position, and each block is folded into the row's running softmax (flash-attention style, so the
+// scores of a block stay in L1 however long the prefix is). A plain decode step is the one-node case: its sequence
+// is the same cache slots with the ancestors already among them. Every score is one dot product computed the same
+// way wherever its key sits, and every block runs the same loops over the same values, so a tree row gives exactly
+// the bits of the decode step that sees the same keys: greedy speculative decoding commits plain decoding's tokens
+// in any dtype, not just up to rounding.
+//  - Blocks wholly inside the prefix are shared by all the task's rows: scores against all their keys in one tile.
+//  - The rest (the prefix tail past the last full block, then tree keys) differs by token: the tail's and the
+//    task's tree keys' scores are computed once for all rows, then each token's rows copy theirs into its blocks.
+template <typename scalar_t, typename Acc, int64_t R>
+void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, HeadKeys<Acc>& b, bool windowed,
+                 const scalar_t* k, const scalar_t* v, int64_t ldv, const bool* mask, const int64_t* tok,
+                 const int64_t* qhead, TaskScratch<scalar_t, Acc>& w, scalar_t* out, int64_t Hq) {
+  const int64_t D = b.D, P = b.P, T = b.T;
+  if (windowed) fill_keys(b, k, ldv, P, P + T);  // the tree keys (a window's prefix slots come block by block)
+  constexpr int64_t lds = kKeyBlock;
+  Acc* qs = w.qs.get();
+  for (int64_t r = 0; r < R; ++r) {
+    const scalar_t* qr = q + tok[r] * q_strides[0] + qhead[r] * q_strides[1];
+    for (int64_t d = 0; d < D; ++d) qs[r * D + d] = to_float(qr[d]) * log2_scale;
+  }
+  // The tree keys any row of the task sees, gathered and transposed: ku [D, nup]. The rows are token-major, so each
+  // distinct token's mask row is OR-ed in once.
+  bool* seen = w.seen.get();
+  std::fill(seen, seen + T, false);
+  for (int64_t r = 0; r < R; ++r)
+    if (r == 0 || tok[r] != tok[r - 1])
+      for (int64_t i = 0; i < T; ++i) seen[i] |= mask[tok[r] * T + i];
+  auto& keys = w.tree_keys;
+  keys.clear();
+  for (int64_t i = 0; i < T; ++i)
+    if (seen[i]) keys.push_back(i);
+  const int64_t nu = static_cast<int64_t>(keys.size()), nup = round_up(nu, kKeyPad), ldt = w.Tp;
+  Acc* ku = w.ku.get();
+  for (int64_t u = 0; u < nu; ++u)
+    for (int64_t d = 0; d < D; ++d) ku[d * nup + u] = b.ktree()[keys[u] * D + d];
+
+  Acc m[R], l[R];  // per row: running max and sum of the softmax
+  std::fill(m, m + R, -std::numeric_limits<Acc>::infinity());
+  std::fill(l, l + R, Acc(0));
+  Acc* o = w.o.get();
+  std::fill(o, o + R * D, Acc(0));
+  Acc* s = w.s.get();
+  const scalar_t** value_rows = w.value_rows.data();
+  // Fold rows r0..r1-1 of s (one block: n keys, padded with -inf to width) and the block's n value rows into
+  // (m, l, o).
+  auto absorb = [&](int64_t r0, int64_t r1, int64_t n, int64_t width) {
+    for (int64_t r = r0; r < r1; ++r) {
+      Acc* sr = s + r * lds;
+      std::fill(sr + n, sr + width, -std::numeric_limits<Acc>::infinity());
+      Acc block_max = -std::numeric_limits<Acc>::infinity();
+#pragma omp simd reduction(max : block_max)
+      for (int64_t j = 0; j < width; ++j) block_max = sr[j] > block_max ? sr[j] : block_max;
+      const Acc new_max = std::max(m[r], block_max);
+      const Acc correction = exp2_nonpositive(m[r] - new_max);  // 0 for the first block (m = -inf)
+      Acc block_sum = 0;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t j = 0; j < width; ++j) {
+        sr[j] = exp2_nonpositive(sr[j] - new_max);
+        block_sum += sr[j];
+      }
+      l[r] = l[r] * correction + block_sum;
+      m[r] = new_max;
+      for (int64_t d = 0; d < D; ++d) o[r * D + d] *= correction;
+    }
+    values_rows(r1 - r0, s + r0 * lds, lds, value_rows, n, o + r0 * D, D);
+  };
+  // Full blocks of prefix keys: the same keys for every row.
+  const int64_t full = P / kKeyBlock * kKeyBlock;
+  for (int64_t j0 = 0; j0 < full; j0 += kKeyBlock) {
+    if (windowed) {
+      b.base = j0;
+      fill_keys(b, k, ldv, j0, j0 + kKeyBlock);
+    }
+    prefix_scores<Acc, R>(qs, b, j0, kKeyBlock, s, lds);
+    for (int64_t j = 0; j < kKeyBlock; ++j) value_rows[j] = v + (j0 + j) * ldv;
+    absorb(0, R, kKeyBlock, kKeyBlock);
+  }
+  // The rest: the prefix tail's and the tree keys' scores for all rows, then each token's blocks.
+  const int64_t tail = P - full;
+  Acc* s_tail = w.s_tail.get();
+  Acc* s_tree = w.s_tree.get();
+  if (tail > 0) {
+    if (windowed) {
+      b.base = full;
+      fill_keys(b, k, ldv, full, P);
+    }
+    prefix_scores<Acc, R>(qs, b, full, round_up(tail, kKeyPad), s_tail, lds);
+  }
+  if (nu > 0) scores_tile<Acc, R>(qs, D, ku, nup, nup, s_tree, ldt);
+  auto& own = w.own;
+  for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
+    for (r1 = r0 + 1; r1 < R && tok[r1] == tok[r0];) ++r1;  // rows r0..r1-1 are this token's
+    own.clear();
+    for (int64_t u = 0; u < nu; ++u)
+      if (mask[tok[r0] * T + keys[u]]) own.push_back(u);
+    const int64_t length = tail + static_cast<int64_t>(own.size());  // keys past the full blocks
+    for (int64_t j0 = 0; j0 < length; j0 += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, length - j0);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = j0 + j;  // the key's place after the full blocks
+        value_rows[j] = i < tail ? v + (full + i) * ldv : v + (P + keys[own[i - tail]]) * ldv;
+        for (int64_t r = r0; r < r1; ++r)
+          s[r * lds + j] = i < tail ? s_tail[r * lds + i] : s_tree[r * ldt + own[i - tail]];
+      }
+      absorb(r0, r1, n, round_up(n, kKeyPad));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    scalar_t* dst = out + (tok[r] * Hq + qhead[r]) * D;
+    const Acc inv = Acc(1) / l[r];
+    for (int64_t d = 0; d < D; ++d) {
+      if constexpr (std::is_same_v<Acc, double>)
+        dst[d] = o[r * D + d] * inv;
+      else
+        dst[d] = from_float<scalar_t>(o[r * D + d] * inv);
+    }
+  }
+}
+
+// One sequence's operands as pointers and strides, so that a call inside another kernel (decoder_layers, a batch)
+// builds no tensor views: q [T, Hq, D] (rows q_row apart, heads q_head apart), k and v [Hkv, S, D] (the same strides:
+// heads `head` apart, slots `pos` apart), the last dim contiguous everywhere; mask [T, T]; out [T, Hq, D] contiguous.
+template <typename scalar_t>
+struct SeqOperands {
+  const scalar_t* q;
+  int64_t q_row, q_head, T, Hq, D;
+  const scalar_t* k;
+  const scalar_t* v;
+  int64_t Hkv, head, pos;
+  const bool* mask;
+  scalar_t* out;
+};
+
+template <typename scalar_t, typename Acc>
+void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double scale) {
+  const int64_t T = s.T, Hq = s.Hq, D = s.D, Hkv = s.Hkv, G = Hq / Hkv;
+  const scalar_t* kp = s.k;
+  const scalar_t* vp = s.v;
+  const bool* mask = s.mask;
+  const int64_t slot_stride = s.pos;
+  // Tasks: each KV head's G*T query rows (token-major: the G heads of token t are adjacent) in blocks of kRows.
+  const int64_t rows = G * T, blocks = (rows + kRows - 1) / kRows;
+  // A head with several tasks converts its keys once for all of them; a head's only task (a decode step) converts
+  // them a block at a time, as it goes (HeadKeys).
+  const bool windowed = blocks == 1;
+  std::vector<HeadKeys<Acc>> heads;
+  if (!windowed) {
+    heads.reserve(Hkv);
+    const int64_t ld = round_up(P, kKeyPad), each = HeadKeys<Acc>::size(D, T, ld);
+    Acc* storage = reused<Acc>(Hkv * each, 0);
+    const bool pairs = keys_as_pairs<scalar_t, Acc>(D);
+    for (int64_t h = 0; h < Hkv; ++h) heads.emplace_back(D, P, T, ld, storage + h * each, pairs);
+    constexpr int64_t kFillBlock = 128;  // slots per conversion task
+    const int64_t fill_blocks = (P + T + kFillBlock - 1) / kFillBlock;
+    parallel_for(0, Hkv * fill_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t h = i / fill_blocks, j0 = i % fill_blocks * kFillBlock;
+        fill_keys(heads[h], kp + h * s.head, slot_stride, j0, std::min(j0 + kFillBlock, P + T));
+      }
+    });
+  }
+  const int64_t q_strides[2] = {s.q_row, s.q_head};
+  const Acc log2_scale = static_cast<Acc>(scale * 1.4426950408889634);  // scores in log2 units: softmax by 2^x
+  const scalar_t* qp = s.q;
+  scalar_t* op = s.out;
+  parallel_for(0, Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
+    TaskScratch<scalar_t, Acc>& scratch = task_scratch<scalar_t, Acc>(D, T);
+    std::optional<HeadKeys<Acc>> window;
+    if (windowed)
+      window.emplace(D, P, T, kKeyBlock, reused<Acc>(HeadKeys<Acc>::size(D, T, kKeyBlock), 1),
+                     keys_as_pairs<scalar_t, Acc>(D));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / blocks, r0 = task % blocks * kRows, R = std::min(kRows, rows - r0);
+      int64_t tok[kRows], qhead[kRows];
+      for (int64_t r = 0; r < R; ++r) {
+        tok[r] = (r0 + r) / G;
+        qhead[r] = h * G + (r0 + r) % G;
+      }
+      auto run = [&](auto rows_const) {
+        attend_rows<scalar_t, Acc, decltype(rows_const)::value>(
+            qp, q_strides, log2_scale, windowed ? *window : heads[h], windowed, kp + h * s.head, vp + h * s.head,
+            slot_stride, mask, tok, qhead, scratch, op, Hq);
+      };
+      switch (R) {
+        case 1: run(std::integral_constant<int64_t, 1>{}); break;
+        case 2: run(std::integral_constant<int64_t, 2>{}); break;
+        case 3: run(std::integral_constant<int64_t, 3>{}); break;
+        case 4: run(std::integral_constant<int64_t, 4>{}); break;
+        case 5: run(std::integral_constant<int64_t, 5>{}); break;
+        default: run(std::integral_constant<int64_t, kRows>{}); break;
+      }
+    }
+  });
+}
+
+
+// The attention of one sequence's rows, its arguments checked already (every row sees a key): the kernel in the operands' dtype (float
+// accumulation, double for double).
+template <typename scalar_t>
+void attend_seq(const SeqOperands<scalar_t>& s, int64_t prefix_len, double scale) {
+  if (s.T == 0) return;
+  using Acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  tree_attention_kernel<scalar_t, Acc>(s, prefix_len, scale);
+}
+
+// Each sequence through the same kernel, on its own rows, slot and mask block: its rows' bits are the ones a call for
+// that sequence alone gives. With several sequences the threads split the sequences between them (each sequence's
+// call then runs on one thread; a plain step's single row per sequence would leave threads idle otherwise).
+template <typename T>
+void attention(const Attention<T>& a) {
+  std::vector<int64_t> mask_at(a.B + 1, 0);
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t n = a.offsets[b + 1] - a.offsets[b];
+    mask_at[b + 1] = mask_at[b] + n * n;
+  }
+  auto attend = [&](int64_t b) {
+    const int64_t lo = a.offsets[b], n = a.offsets[b + 1] - lo;
+    const SeqOperands<T> s{a.q + lo * a.q_row, a.q_row, a.q_head, n, a.Hq, a.D,
+                           a.cache.k + a.slots[b] * a.cache.seq, a.cache.v + a.slots[b] * a.cache.seq, a.cache.Hkv,
+                           a.cache.head, a.cache.pos, a.masks + mask_at[b], a.out + lo * a.Hq * a.D};
+    attend_seq(s, a.prefix_lens[b], a.scale);
+  };
+  if (a.B == 1) {
+    attend(0);
+  } else {
+    parallel_for(0, a.B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) attend(b);
+    });
+  }
+}
+
+}  // namespace tr_engine_cpu

@@ -1,0 +1,308 @@
+// The CPU matmuls y = x @ w.T of the decode steps, draft-tree verifies and prefills, written once over simd.h's Vec.
+//
+// packed_rows: w stored, once at load time, in pack_linear's blocked layout (csrc/registration.cpp): blocks of 32
+// output rows; inside a block, for each group of P input columns, the 32 rows' P values side by side (P = 2 for bf16,
+// 1 for float32 and float16). In a decode step or a verify (1..~100 rows of x) each weight must be read from memory
+// once and applied to every row of x while it sits in registers. With this layout one vector load holds kLanes output
+// rows' next P weights; the kernel broadcasts x[r]'s next value and multiply-adds it into one accumulator per output,
+// so nothing needs a horizontal sum: the accumulators are the outputs. A register tile is R rows of x by V vectors of
+// outputs (R x V accumulators, V weight vectors, one broadcast); a block is covered in 32 / (V kLanes) passes, each
+// reading its own cache lines of the block's groups, and the first pass prefetches ahead of the stream.
+//
+// skinny_linear: a plain row-major w [N, K] (weights nobody packed), for 1-16 rows: tiles of rows of x by 4 weight
+// rows, each weight row streamed once and reduced against every row of x while it sits in L1.
+//
+// Each output is one sum over K in a fixed order (the dims in order into one accumulator lane), whatever the other
+// rows of the call: the kernels are row-independent, so a token's projections are bit for bit the same in a decode
+// step, a verify and a prefill, on each tier.
+#pragma once
+
+#include "api.h"
+#include "parallel.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace tr_engine_cpu {
+
+// A register tile is R rows of x by V vectors of outputs: R x V accumulators, the V weight vectors of one group and a
+// broadcast of x must fit the registers. Each accumulator is a chain of dependent multiply-adds (4 cycles each, two
+// issued per cycle), so a tile needs about 8 accumulators to keep the units busy: a decode step's single row takes
+// a whole block per pass where the registers allow (AVX2: 4 vectors of 8; NEON: 8 of 4), more rows take narrower
+// passes (16 outputs) and up to kPackRows rows. With AVX-512 a block is always one pass (2 vectors of 16), up to 8 rows
+// (it could hold 14; a tile of 12 ran slower than two of 8 at a 7B model's shapes).
+constexpr int kWideVecs = static_cast<int>(kPackBlock) / kLanes;  // a whole block
+constexpr int kNarrowVecs = kLanes >= 16 ? kWideVecs : 16 / kLanes;  // 16 outputs
+constexpr int kPackRows = std::min(8, (kRegisters - kNarrowVecs - 1) / kNarrowVecs);
+constexpr int64_t kRowChunk = 192;  // rows of x per pass over w, so x's chunk stays in L2 for a long prefill
+static_assert(kPackBlock % (kNarrowVecs * kLanes) == 0, "a pass covers a whole number of a block's outputs");
+
+// The vectors per pass for a tile of R rows (`extra` registers besides the accumulators and weights: 1 for a
+// broadcast, 3 for bf16 pairs widened: the word and its two halves).
+constexpr int vecs_for(int R, int extra) { return R * kWideVecs + kWideVecs + extra <= kRegisters ? kWideVecs : kNarrowVecs; }
+
+// The prefetch distance: the hardware prefetchers alone left this stream short of the memory's bandwidth (each
+// matmul of a step is short: 0.7-3.5 MB for SmolLM2, split between the threads, and at 8 rows the multiply-adds keep
+// the core busy while the next lines are on their way). Measured with AVX-512 on whole SmolLM2 steps against no
+// prefetch: bf16 4-7% faster at 1 row and 12-15% at 8, fp32 3% and 8%; 2 KB ahead helped less, 6 KB no more.
+constexpr int64_t kPrefetch = 4096;
+
+template <typename T>
+constexpr int64_t pack_width() { return std::is_same_v<T, bf16> ? 2 : 1; }
+
+// f(std::integral_constant<int, rows>) for rows in 1..kMax: each row count a kernel of its own.
+template <int kMax, int R = 1, typename F>
+void with_rows(int rows, F&& f) {
+  if constexpr (R < kMax) {
+    if (rows != R) return with_rows<kMax, R + 1>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
+// y[r, c0 + i] for the tile's R rows and V vectors of outputs, columns from `valid` on left alone.
+template <int R, int V, typename T>
+void store_tile(const Vec (&acc)[R][V], T* y, int64_t ldy, int c0, int valid) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      const int col = c0 + v * kLanes;
+      if (valid - col >= kLanes)
+        store(y + r * ldy + col, acc[r][v]);
+      else if (valid > col)
+        store_first(y + r * ldy + col, acc[r][v], valid - col);
+    }
+}
+
+// The group's cache lines kPrefetch bytes ahead, asked for by a block's first pass.
+inline void prefetch_group(const void* group, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) prefetch(static_cast<const char*>(group) + kPrefetch + line);
+}
+
+// One pass over a block of float32 or float16 weights (P = 1: a group is the 32 outputs' weights of one input
+// column): outputs c0.. for R rows of x as floats. f16 weights are widened in registers (exact), then the same
+// multiply-adds as float32.
+template <int R, int V, typename W, typename Y>
+void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t groups, Y* y, int64_t ldy, int c0, int valid,
+             bool lead) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = zero();
+  for (int64_t k = 0; k < groups; ++k) {
+    const W* group = wb + k * kPackBlock;
+    if (lead) prefetch_group(group, kPackBlock * sizeof(W));
+    Vec w[V];
+    for (int v = 0; v < V; ++v) w[v] = load(group + c0 + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec xb = broadcast(x[r * ldx + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = mul_add(xb, w[v], acc[r][v]);
+    }
+  }
+  store_tile<R, V>(acc, y, ldy, c0, valid);
+}
+
+// One pass over a block of bf16 weights (P = 2: a group is the 32 outputs' pairs of weights of input columns 2k and
+// 2k + 1, as 32-bit words). With the AVX512-BF16 dot product: x's pair broadcast, both products into each lane in
+// one instruction. Elsewhere: each word widened to its even and odd weights (exact), then two multiply-adds into the
+// output's one accumulator, the even column first; x as floats. (Two accumulators per output, even and odd, would
+// shorten the chains of a one-row tile, but then the sum's order would depend on the tile: not row-independent.)
+template <int R, int V, typename Y>
+void pass_bf16(const float* xf, const bf16* xb, int64_t ldx, const bf16* wb, int64_t groups, Y* y, int64_t ldy,
+               int c0, int valid, bool lead) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = zero();
+  for (int64_t k = 0; k < groups; ++k) {
+    const bf16* group = wb + k * 2 * kPackBlock;
+    if (lead) prefetch_group(group, 2 * kPackBlock * sizeof(bf16));
+    if constexpr (kBf16Dot) {
+      Vec w[V];
+      for (int v = 0; v < V; ++v) w[v] = load_words(group + 2 * (c0 + v * kLanes));
+      for (int r = 0; r < R; ++r) {
+        const Vec pair = broadcast_word(xb + r * ldx + 2 * k);
+        for (int v = 0; v < V; ++v) acc[r][v] = dot_pairs(acc[r][v], pair, w[v]);
+      }
+    } else {
+      Vec w_even[V], w_odd[V];
+      for (int v = 0; v < V; ++v) {
+        const Vec words = load_words(group + 2 * (c0 + v * kLanes));
+        w_even[v] = even(words);
+        w_odd[v] = odd(words);
+      }
+      for (int r = 0; r < R; ++r) {
+        const Vec x_even = broadcast(xf[r * ldx + 2 * k]), x_odd = broadcast(xf[r * ldx + 2 * k + 1]);
+        for (int v = 0; v < V; ++v) acc[r][v] = mul_add(x_odd, w_odd[v], mul_add(x_even, w_even[v], acc[r][v]));
+      }
+    }
+  }
+  store_tile<R, V>(acc, y, ldy, c0, valid);
+}
+
+// x's rows t0..t0+rows-1 as floats ([rows, ldx]), in a buffer the calling thread keeps: the passes that broadcast
+// floats read them from there (f16; bf16 without the dot product). float x is read where it is.
+template <typename T>
+const float* rows_as_float(const T* x, int64_t ldx, int64_t rows) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    thread_local std::vector<float> buffer;
+    if (static_cast<int64_t>(buffer.size()) < rows * ldx) buffer.resize(rows * ldx);
+    for (int64_t i = 0; i < rows * ldx; ++i) buffer[i] = to_float(x[i]);
+    return buffer.data();
+  }
+}
+
+// f(std::integral_constant<int, V>) for the vectors per pass V (kWideVecs or kNarrowVecs).
+template <typename F>
+void with_vecs(int vecs, F&& f) {
+  if (vecs == kWideVecs)
+    f(std::integral_constant<int, kWideVecs>{});
+  else
+    f(std::integral_constant<int, kNarrowVecs>{});
+}
+
+// Threads split the blocks of w (each block is 32 x K contiguous values, read once per chunk of rows from memory);
+// inside a block, the chunk's rows go in near-equal tiles of at most kPackRows, each pass over all the tiles in turn,
+// so that the pass's part of the block is still in L1 for the later tiles.
+template <typename T>
+void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64_t groups, int64_t N) {
+  const int64_t blocks = (N + kPackBlock - 1) / kPackBlock, block_size = groups * kPackBlock * pack_width<T>();
+  constexpr bool bf16_pairs = std::is_same_v<T, bf16>;
+  constexpr bool floats = !(bf16_pairs && kBf16Dot);  // whether the passes read x as floats
+  constexpr int extra = bf16_pairs && !kBf16Dot ? 3 : 1;  // registers besides accumulators and weights
+  for (int64_t t0 = 0; t0 < rows; t0 += kRowChunk) {
+    const int64_t chunk = std::min(kRowChunk, rows - t0);
+    const float* xf = floats ? rows_as_float(x + t0 * ldx, ldx, chunk) : nullptr;
+    const int64_t tiles = (chunk + kPackRows - 1) / kPackRows;
+    const int vecs = vecs_for(static_cast<int>((chunk + tiles - 1) / tiles), extra);  // as the biggest tile's
+    parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int valid = static_cast<int>(std::min(kPackBlock, N - b * kPackBlock));
+        const T* wb = wp + b * block_size;
+        with_vecs(vecs, [&](auto vecs_constant) {
+          constexpr int V = decltype(vecs_constant)::value;
+          for (int c0 = 0; c0 < valid; c0 += V * kLanes)
+            for (int64_t g = 0, t = 0; g < tiles; ++g) {
+              const int r = static_cast<int>((chunk - t) / (tiles - g));  // near-equal tiles
+              T* yt = y + (t0 + t) * N + b * kPackBlock;
+              with_rows<kPackRows>(r, [&](auto rows_constant) {
+                constexpr int R = decltype(rows_constant)::value;
+                if constexpr (V == kNarrowVecs || vecs_for(R, extra) == kWideVecs) {  // (the tiles V is chosen for)
+                  const bool lead = g == 0 && c0 == 0;
+                  if constexpr (bf16_pairs)
+                    pass_bf16<R, V>(xf ? xf + t * ldx : nullptr, x + (t0 + t) * ldx, ldx, wb, groups, yt, N, c0,
+                                    valid, lead);
+                  else
+                    pass_p1<R, V>(xf + t * ldx, ldx, wb, groups, yt, N, c0, valid, lead);
+                }
+              });
+              t += r;
+            }
+        });
+      }
+    });
+  }
+}
+
+// ---- skinny_linear ---------------------------------------------------------------------------------------------
+
+constexpr int kSkinnyRows = kRegisters >= 32 ? 4 : 2;  // rows of x per tile (x 4 weight rows of accumulators)
+constexpr int kSkinnyCols = 4;                         // weight rows per tile
+
+// n (< one vector's worth) elements at p, zeros after: K's tail.
+template <typename T>
+Vec load_tail(const T* p, int n) {
+  T lanes[kLanes] = {};
+  std::memcpy(lanes, p, sizeof(T) * n);
+  return load(lanes);
+}
+
+// n (< two vectors' worth) bf16 values at p as words, zeros after.
+inline Vec load_tail_words(const bf16* p, int n) {
+  bf16 lanes[2 * kLanes] = {};
+  std::memcpy(lanes, p, sizeof(bf16) * n);
+  return load_words(lanes);
+}
+
+// y[i, j] for TR rows of x (floats, [TR, K]) by NR weight rows (w [NR, K] of type W), K in vector steps: lane l of
+// an accumulator sums dims l, l + kLanes, ... in order, then reduce_add sums the lanes in its fixed order.
+template <int TR, int NR, typename W, typename Y>
+void skinny_tile(const float* x, const W* w, Y* y, int64_t K, int64_t N) {
+  Vec acc[TR][NR];
+  for (int i = 0; i < TR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = zero();
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    Vec wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load(w + j * K + k);
+    for (int i = 0; i < TR; ++i) {
+      const Vec xv = load(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = mul_add(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const int n = static_cast<int>(K - k);
+    Vec wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load_tail(w + j * K + k, n);
+    for (int i = 0; i < TR; ++i) {
+      const Vec xv = load_first(x + i * K + k, n);
+      for (int j = 0; j < NR; ++j) acc[i][j] = mul_add(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < TR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * N + j] = from_float<Y>(reduce_add(acc[i][j]));
+}
+
+// The bf16 tile with the dot product: lane l sums the pairs (2l, 2l + 1), (2l + 2 kLanes, ...) of x and w as bf16.
+template <int TR, int NR>
+void skinny_tile_pairs(const bf16* x, const bf16* w, bf16* y, int64_t K, int64_t N) {
+  Vec acc[TR][NR];
+  for (int i = 0; i < TR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = zero();
+  for (int64_t k = 0; k < K; k += 2 * kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(2 * kLanes, K - k));  // bf16 values in this step
+    Vec wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = n == 2 * kLanes ? load_words(w + j * K + k) : load_tail_words(w + j * K + k, n);
+    for (int i = 0; i < TR; ++i) {
+      const Vec xv = n == 2 * kLanes ? load_words(x + i * K + k) : load_tail_words(x + i * K + k, n);
+      for (int j = 0; j < NR; ++j) acc[i][j] = dot_pairs(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < TR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * N + j] = from_float<bf16>(reduce_add(acc[i][j]));
+}
+
+template <typename T>
+void skinny(const T* x, const T* w, T* y, int64_t rows, int64_t K, int64_t N) {
+  constexpr bool pairs = std::is_same_v<T, bf16> && kBf16Dot;
+  const float* xf = pairs ? nullptr : rows_as_float(x, K, rows);
+  const int64_t tiles = (N + kSkinnyCols - 1) / kSkinnyCols;
+  parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * kSkinnyCols;
+      const int nr = static_cast<int>(std::min<int64_t>(kSkinnyCols, N - n));
+      for (int64_t t = 0; t < rows; t += kSkinnyRows) {
+        const int tr = static_cast<int>(std::min<int64_t>(kSkinnyRows, rows - t));
+        with_rows<kSkinnyRows>(tr, [&](auto rows_constant) {
+          constexpr int TR = decltype(rows_constant)::value;
+          for (int j = 0; j < nr;) {  // a whole tile of weight rows, or the last ones one at a time
+            const bool whole = nr == kSkinnyCols;
+            if constexpr (pairs) {
+              if (whole) skinny_tile_pairs<TR, kSkinnyCols>(x + t * K, w + n * K, y + t * N + n, K, N);
+              else skinny_tile_pairs<TR, 1>(x + t * K, w + (n + j) * K, y + t * N + n + j, K, N);
+            } else {
+              if (whole) skinny_tile<TR, kSkinnyCols>(xf + t * K, w + n * K, y + t * N + n, K, N);
+              else skinny_tile<TR, 1>(xf + t * K, w + (n + j) * K, y + t * N + n + j, K, N);
+            }
+            j += whole ? kSkinnyCols : 1;
+          }
+        });
+      }
+    }
+  });
+}
+
+}  // namespace tr_engine_cpu

@@ -1,0 +1,125 @@
+"""The CPU kernel tiers: the instruction sets the CPU kernels are built for, which one runs here, and how to choose.
+
+The kernels (csrc/cpu/kernels/) are one source compiled once per tier, with the flags below, into
+`tr_engine/_cpu_<tier>.so` (setup.py). When the ops load (tr_engine.ops), the best tier this CPU can run becomes the
+one every CPU op calls, or the tier the environment variable TR_ENGINE_CPU names (`TR_ENGINE_CPU=avx2` on an
+AVX-512 machine runs the AVX2 kernels, to see what an AVX2 CPU gets). The op library checks the CPU's features
+before it opens a tier's library, so a build made on one machine runs on any x86-64 CPU with the tiers it can run.
+
+Each tier's kernels are row-independent, so on every tier every decoding method emits plain decoding's tokens, in
+bfloat16 too. The tiers differ from each other in the last bits of a result (fused multiply-adds or not, the bf16
+dot product's rounding, the order of a vector's horizontal sum), so two tiers may decode a long answer differently.
+"""
+
+import importlib.util
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from tr_engine.errors import UserError
+
+ENV = "TR_ENGINE_CPU"
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    machine: str  # platform.machine() of the CPUs it is built for; "" for any
+    flags: tuple[str, ...]  # the compiler flags of its library (with -DTR_ENGINE_TIER_<NAME>)
+    needs: tuple[str, ...]  # the CPU features it needs, by csrc/cpu/tiers.cpp's names
+    about: str
+
+
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+# Best first: the default is the first one this CPU runs.
+TIERS = (
+    Tier("avx512bf16", "x86_64", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2",
+                                  "-mfma", "-mf16c"), _AVX512 + ("avx512bf16",) + _AVX2,
+         "AVX-512 with bf16 dot products (AMD Zen 4 and later, Intel Sapphire Rapids and later)"),
+    Tier("avx512", "x86_64", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
+         _AVX512 + _AVX2, "AVX-512 (Intel Skylake-SP to Ice Lake servers)"),
+    Tier("avx2", "x86_64", ("-mavx2", "-mfma", "-mf16c"), _AVX2,
+         "AVX2 + FMA + F16C (Intel since Haswell, AMD since Zen; most laptops)"),
+    Tier("neon", "aarch64", (), ("neon",), "aarch64 NEON (Apple M-series, Graviton, Ampere)"),
+    Tier("scalar", "", (), (), "plain loops, the compiler's baseline vectors (any CPU)"),
+)
+NAMES = tuple(t.name for t in TIERS)
+
+
+def tier(name: str) -> Tier:
+    return next(t for t in TIERS if t.name == name)
+
+
+def for_this_machine(machine: str | None = None) -> tuple[Tier, ...]:
+    """The tiers a build on this kind of machine compiles (platform.machine(), or `machine`)."""
+    machine = machine or platform.machine()
+    return tuple(t for t in TIERS if t.machine in ("", machine))
+
+
+def library(t: Tier) -> Path | None:
+    """The tier's built library, or None."""
+    spec = importlib.util.find_spec(f"tr_engine._cpu_{t.name}")
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def _ops():
+    """torch.ops.tr_engine, with the op library loaded (ImportError when it is not built)."""
+    import torch
+
+    import tr_engine._C  # noqa: F401
+
+    return torch.ops.tr_engine
+
+
+def features() -> frozenset[str]:
+    """What this CPU (and its OS) supports of the features the tiers need."""
+    return frozenset(_ops().cpu_features())
+
+
+def runnable() -> tuple[Tier, ...]:
+    """The built tiers this CPU can run, best first."""
+    have = features()
+    return tuple(t for t in for_this_machine() if set(t.needs) <= have and library(t) is not None)
+
+
+def choose(name: str | None = None) -> Tier:
+    """The tier `name` asks for, else TR_ENGINE_CPU's, else the best this CPU runs; a one-line error for a name that
+    is unknown, or whose tier this CPU cannot run or this build lacks."""
+    source = "requested"
+    if name is None and os.environ.get(ENV):
+        name, source = os.environ[ENV].strip().lower(), ENV
+    ok = runnable()
+    if name is None:
+        if not ok:
+            raise UserError("no CPU kernel tier is built for this CPU; run `make install`")
+        return ok[0]
+    here = f"this CPU runs {', '.join(t.name for t in ok)}"
+    if name not in NAMES:
+        raise UserError(f"unknown CPU tier {name!r} ({source}); choose one of {', '.join(NAMES)} ({here})")
+    t = tier(name)
+    if t not in for_this_machine():
+        raise UserError(f"the CPU tier {name} ({source}) is for {t.machine} CPUs, not {platform.machine()} ({here})")
+    missing = [f for f in t.needs if f not in features()]
+    if missing:
+        raise UserError(f"this CPU cannot run the CPU tier {name} ({source}): it lacks {', '.join(missing)} ({here})")
+    if library(t) is None:
+        raise UserError(f"the CPU tier {name} ({source}) is not built; run `make install`")
+    return t
+
+
+def use(name: str | None = None) -> str:
+    """Make tier `name` (or choose()'s default) the one every CPU op calls; returns its name."""
+    t = choose(name)
+    _ops().use_cpu_tier(t.name, str(library(t)), list(t.needs))
+    return t.name
+
+
+def active() -> str:
+    """The tier the CPU ops call now ("" before the ops have loaded one, or where the op library is not built)."""
+    try:
+        return _ops().cpu_tier()
+    except ImportError:
+        return ""
