@@ -274,7 +274,81 @@ def test_timing_stops_passes_at_the_budget_but_keeps_the_warm_up_and_one(tiny):
     for budget, warm_up, passes in ((None, True, 1 + 3), (0.0, True, 1 + 1), (1e9, True, 1 + 3), (None, False, 3)):
         calls.clear()
         s = time_steps(Counting(), cache, sizes, 64, reps=3, budget_s=budget, warm_up=warm_up)
-        assert calls == [64] + list(sizes) * passes and set(s) == set(sizes)  # the prefix's prefill, then the passes
+        # the prefix's prefill, a first plain step before a warm-up, then the passes
+        assert calls == [64] + [1] * warm_up + list(sizes) * passes and set(s) == set(sizes)
+
+
+class Timed:
+    """The tiny model with its forwards made to take `seconds(T, n)` longer (T tokens, the n-th since a prefill): a
+    machine whose costs the test decides, to check what the measurement makes of them. (Use it on one thread: a
+    worker thread woken after a sleep can wait a scheduler tick, 10 ms, which would be noise of the test's own.)"""
+
+    def __init__(self, model, seconds):
+        self.model, self.seconds, self.calls, self.since_prefill = model, seconds, [], 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, ids, *args, **kwargs):
+        import time
+
+        self.calls.append(len(ids))
+        self.since_prefill = 0 if kwargs.get("last_logits_only") else self.since_prefill + 1
+        time.sleep(self.seconds(len(ids), self.since_prefill))
+        return self.model(ids, *args, **kwargs)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_sizes_too_dear_to_pay_are_not_timed_but_extrapolated(tiny, one_thread):
+    """A machine where a verify costs a plain step per token: past MAX_RELATIVE plain steps the sizes are left out
+    of the timed passes (the measurement stays short however slow big verifies are) and priced in proportion."""
+    from tr_engine.cost import MAX_RELATIVE
+
+    tiny.set_max_positions(200)
+    timed = Timed(tiny, lambda T, call: 0.003 * T)
+    fractions = []
+    cm = CostModel.measure(timed, KVCache(tiny.config, 200, torch.float64, "cpu"), {}, progress=fractions.append)
+    assert cm.doubt is None and cm.buckets[-1] == 96 and cm.prefixes == (104, 104)  # (the cache's room)
+    verifies = [n for n in timed.calls if n != 104]  # (the prefills)
+    assert max(verifies) <= 4 * MAX_RELATIVE  # (the warm-up judges at twice the limit, then the first timed pass)
+    for row in cm.relative:  # (a plain step is the model's own ~1.5 ms and 3 ms of sleep: about 0.7 steps a token)
+        assert row == sorted(row) and row[-1] > 4 * MAX_RELATIVE and row[-1] / row[7] == pytest.approx(96 / 8, rel=0.3)
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0 and len(fractions) > 10  # the notice's progress
+
+
+@pytest.mark.parametrize("spell", ["busy", "inverted"])
+def test_a_noisy_or_inverted_measurement_is_measured_again_and_not_cached(tiny, tiny_factory, spell, tmp_path,
+                                                                          monkeypatch, one_thread):
+    """A busy spell (plain steps 3x slower by the end of each measurement) or a curve no machine gives (a 5-token
+    verify far cheaper than a 4-token one): measured once more, then used with its doubt, and never saved."""
+    from tr_engine.engine import Engine
+
+    def seconds(T, call):
+        if spell == "busy":  # each prefix's measurement gets 4x slower halfway through
+            return 0.002 if call < 40 else 0.008
+        return {4: 0.03}.get(T, 0.002)
+
+    tiny.set_max_positions(200)
+    timed = Timed(tiny, seconds)
+    cm = CostModel.measure(timed, KVCache(tiny.config, 200, torch.float64, "cpu"), {})
+    assert cm.doubt is not None and ("took" in cm.doubt if spell == "busy" else "5-token" in cm.doubt), cm.doubt
+    assert timed.calls.count(104) == 4  # each prefix prefilled twice: a second try
+    # Through the engine: the doubtful curve serves, the notice says why, and nothing is cached.
+    monkeypatch.setenv("TR_ENGINE_HOME", str(tmp_path))
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *a, **k: cm))
+    folder = tiny_factory("spec", dtype=torch.float64, vocab_size=300, std=0.5)  # (tiny's)
+    engine = Engine.from_pretrained(str(folder), dtype="float64", max_context=256, ops="reference")
+    heard = []
+    engine.on_calibrate = lambda fraction, doubt: heard.append((fraction, doubt))
+    assert engine.cost_model() is cm and heard[0] == (0.0, None) and heard[-1] == (1.0, cm.doubt)
+    assert not list(tmp_path.glob("costs/*.json"))
 
 
 def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, tmp_path, monkeypatch):

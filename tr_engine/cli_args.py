@@ -151,6 +151,34 @@ class LoadProgress:
             print(f" in {time.monotonic() - self.start:.0f} s" if ok else "", file=sys.stderr, flush=True)
 
 
+class CalibrationNotice:
+    """What a command says while the adaptive tree measures this machine's verify cost (Engine.on_calibrate): on a
+    terminal one line, its percentage climbing, closed with the seconds it took; elsewhere (a log) the line at the
+    start. Either way a curve that was not saved (the machine was busy) says why, on a line of its own."""
+
+    TEXT = "measuring this machine's verify cost for the adaptive tree (once; cached)..."
+
+    def __init__(self):
+        self.terminal = sys.stderr.isatty()
+        self.start = 0.0
+        self.shown = -1
+
+    def __call__(self, fraction: float, doubt: str | None) -> None:
+        percent = int(100 * fraction)
+        if fraction == 0.0:
+            self.start = time.monotonic()
+            print(self.TEXT, end="" if self.terminal else "\n", file=sys.stderr, flush=True)
+        elif fraction < 1.0 and self.terminal and percent != self.shown:
+            print(f"\r{self.TEXT} {percent}%", end="", file=sys.stderr, flush=True)
+        elif fraction >= 1.0:
+            if self.terminal:
+                print(f"\r{self.TEXT} done in {time.monotonic() - self.start:.0f} s", file=sys.stderr, flush=True)
+            if doubt is not None:
+                print(f"note: the verify cost was not cached ({doubt}); the next run measures it again",
+                      file=sys.stderr, flush=True)
+        self.shown = percent
+
+
 def engine_from_args(args):
     from tr_engine.engine import Engine  # imports torch: after argument parsing, so --help is instant
 
@@ -168,8 +196,7 @@ def engine_from_args(args):
         progress.end(ok=True)
     if args.tree == ADAPTIVE:  # measured at the first adaptive step (or now, on --recalibrate), with a notice
         if engine.model.shard.rank == 0:  # (every rank measures under --tp; one says so)
-            engine.on_calibrate = lambda: print("measuring this machine's verify cost for the adaptive tree (once; "
-                                                "cached)...", file=sys.stderr, flush=True)
+            engine.on_calibrate = CalibrationNotice()
         if args.recalibrate:
             engine.cost_model(recalibrate=True)
     return engine

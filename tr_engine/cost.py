@@ -9,6 +9,12 @@ compiled kernels) changes, or on `--recalibrate`.
 
 A "step" here is what the decode loop pays per forward: the forward itself plus the argmax over its logits and the
 host sync that reads them back.
+
+The measurement is bounded (MEASURE_BUDGET_S, under 20 s with a second try on a small model) and checked: sizes
+dearer than MAX_RELATIVE plain steps are not timed (no tree that big can pay; their cost is extrapolated), and a curve
+that is not monotone or was measured through a noisy spell (the plain step's own time moving by more than NOISE
+from pass to pass: another process was busy) is measured again once, and if still doubtful used for this run only,
+never cached.
 """
 
 import hashlib
@@ -30,16 +36,29 @@ from tr_engine.tree import sample_tree_mask
 # interpolation would miss. A fixed set of sizes also keeps the verify shapes static (CUDA graphs).
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 PREFIXES = (256, 1024)  # cached tokens before the step (less in a small cache); the cost is linear between them
+# A verify costing more than this many plain steps is not timed: the deepest trees accept ~8 tokens a step at best,
+# so no tree that dear can pay. Its cost is extrapolated in proportion to its tokens (a compute-bound verify's).
+MAX_RELATIVE = 12.0
+NOISE = 1.3  # the plain step's slowest timing over its fastest, in one measurement, past which it was a noisy spell
+MONOTONE = 1.15  # a size may time up to this much under a smaller one (noise); more, and the curve is not trusted
+JITTER_S = 0.5e-3  # allowed on top of both, absolutely: a tiny model's millisecond steps jitter by that much
+MEASURE_BUDGET_S = 6.0  # timed passes of one measurement, both prefixes together
+MEASURE_CEILING_S = 20.0  # a second try only if the first took under half of this
 
 
 @torch.inference_mode()
 def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = True,
-               top_k: int = 8, budget_s: float | None = None, warm_up: bool = True) -> dict[int, float]:
+               top_k: int = 8, budget_s: float | None = None, warm_up: bool = True,
+               max_relative: float | None = None, samples: dict | None = None, on_step=None) -> dict[int, float]:
     """Median seconds of one forward of T tokens (a breadth-first tree; T = 1 is a plain decode step, no mask) after
-    `prefix` cached tokens, for every T in `sizes`, timed in alternation so that a noisy spell hits every size alike:
-    `reps` passes over the sizes after a warm-up pass (unless `warm_up` is False: a second prefix, whose first calls
-    of each size have nothing left to set up), or fewer (one at least) once the timed passes have taken `budget_s` (a
-    7B model's pass takes half a minute on a CPU, a small model's a second).
+    `prefix` cached tokens, for every T in `sizes` (increasing), timed in alternation so that a noisy spell hits every
+    size alike: `reps` passes over the sizes after a warm-up pass (unless `warm_up` is False: a second prefix, whose
+    first calls of each size have nothing left to set up), or fewer (one at least) once the timed passes have taken
+    `budget_s` (a 7B model's pass takes half a minute on a CPU, a small model's a second). With `max_relative`, the
+    sizes after the first that took more than that many plain steps are not timed again, nor returned (judged in the
+    warm-up pass at twice the limit, then in the first timed one). `samples`, if given, receives every timing of each
+    size, and under "before" and "after" three more plain steps' timed just before and after the passes (a noisy
+    spell shows as a difference); `on_step()` is called after each forward.
     With `with_argmax`, each timing includes the argmax over the logits and its host sync (what a decode step pays);
     under tensor parallelism a tree's includes instead the merge of its rows' top-`top_k` across the ranks (what a
     greedy verify step pays: tr_engine/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
@@ -65,20 +84,47 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
             greedy(logits, model.ops).tolist()
         elif device.type == "cuda":
             torch.cuda.synchronize()
+        if on_step is not None:
+            on_step()
 
-    for T in sizes if warm_up else ():
-        step(T)  # warm-up: first-call allocations and kernel selection
+    def plain_steps(n: int = 3) -> list[float]:
+        timed = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step(1)
+            timed.append(time.perf_counter() - t0)
+        return timed
+
     times = {T: [] for T in sizes}
-    start = time.perf_counter()
-    for _ in range(reps):
-        for T in sizes:
+    kept = list(sizes)
+    start = None
+    before = None
+    if warm_up:
+        step(1)  # the very first forward sets things up: the warm-up pass's plain step is then a fair yardstick
+    for n in range((1 if warm_up else 0) + reps):
+        warm = warm_up and n == 0  # the warm-up pass: first-call allocations and kernel selection, not kept
+        if not warm and start is None:
+            before = plain_steps() if samples is not None else None
+            start = time.perf_counter()
+        judging = max_relative is not None and n <= (1 if warm_up else 0)  # (a warm-up, with its first calls, more
+        limit = None  # leniently, at twice the limit; then the first timed pass)
+        for i, T in enumerate(list(kept)):
             t0 = time.perf_counter()
             step(T)
-            times[T].append(time.perf_counter() - t0)
-        if budget_s is not None and time.perf_counter() - start >= budget_s:
+            elapsed = time.perf_counter() - t0
+            if not warm:
+                times[T].append(elapsed)
+            if judging and i == 0:
+                limit = max_relative * (2 if warm else 1) * elapsed
+            elif judging and elapsed > limit:  # the first too dear one stays, the curve's edge; the rest go
+                kept = kept[:i + 1]
+                break
+        if not warm and budget_s is not None and time.perf_counter() - start >= budget_s:
             break
+    if samples is not None:
+        samples.update({T: times[T] for T in kept}, before=before, after=plain_steps())
     cache.reset()
-    return {T: statistics.median(t) for T, t in times.items()}
+    return {T: statistics.median(times[T]) for T in kept}
 
 
 @dataclass
@@ -90,6 +136,7 @@ class CostModel:
     relative: list[list[float]]
     plain_s: list[float]  # seconds of a plain step at each prefix
     key: dict
+    doubt: str | None = None  # why a measured curve is not to be cached (noisy, not monotone); None: trusted
 
     def _weight(self, prefix: int) -> float:
         """Where `prefix` lies between the two measured prefixes: 0 at the first, 1 at the second, extrapolated
@@ -129,26 +176,43 @@ class CostModel:
         return cls(buckets, PREFIXES, [[1.0] * len(buckets)] * 2, [0.0, 0.0], {"flat": max_tokens})
 
     @classmethod
-    def measure(cls, model, cache, key: dict, reps: int = 3, top_k: int = 8,
-                budget_s: float = 20.0) -> "CostModel":
+    def measure(cls, model, cache, key: dict, reps: int = 3, top_k: int = 8, budget_s: float = MEASURE_BUDGET_S,
+                progress=None) -> "CostModel":
         """Time the buckets that fit twice over in the cache (all of them from 256 slots up), after the PREFIXES
         clamped to what the biggest leaves (time_steps: `top_k` is the matrix's k; `reps` passes, fewer past
-        `budget_s` of them at a prefix). A cache too small for a draft gets a curve of plain steps only."""
+        `budget_s` of them in all; sizes dearer than MAX_RELATIVE plain steps left out and extrapolated). A doubtful
+        curve (see `doubts`) is measured once more if that fits in MEASURE_CEILING_S; if it is still doubtful, it
+        comes back with its `doubt` set (use it, do not cache it). `progress(fraction)` is called as the forwards run. A cache too small for a
+        draft gets a curve of plain steps only."""
         sizes = tuple(T for T in BUCKETS if T <= cache.capacity // 2)
         if len(sizes) < 2:
             return cls((1,), (0, 0), [[1.0], [1.0]], [0.0, 0.0], key)
         prefixes = tuple(min(p, cache.capacity - sizes[-1]) for p in PREFIXES)
-        relative, plain = [], []
-        for i, prefix in enumerate(prefixes):
-            s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k, budget_s=budget_s, warm_up=i == 0)
-            # A bigger verify never costs less than a smaller one; measured inversions are noise.
-            rel, top = [], 0.0
-            for T in sizes:
-                top = max(top, s[T] / s[1])
-                rel.append(round(top, 4))
-            relative.append(rel)
-            plain.append(s[1])
-        return cls(sizes, prefixes, relative, plain, key)
+        # progress: forwards done over those planned (sizes past MAX_RELATIVE drop out, so it may jump ahead)
+        planned = len(sizes) * (1 + 2 * reps) + 12  # (a warm-up pass, the timed ones, three plain steps 4 times)
+        done = [0]
+
+        def on_step():
+            done[0] += 1
+            if progress is not None:
+                progress(min(done[0] / planned, 1.0))
+
+        start = time.perf_counter()
+        for attempt in range(2):
+            relative, plain, doubt = [], [], None
+            for i, prefix in enumerate(prefixes):
+                samples = {}
+                s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k, budget_s=budget_s / len(prefixes),
+                               warm_up=i == 0, max_relative=MAX_RELATIVE, samples=samples, on_step=on_step)
+                doubt = doubt or doubts(s, samples)
+                relative.append(envelope(s, sizes))
+                plain.append(s[1])
+            if doubt is None or time.perf_counter() - start > MEASURE_CEILING_S / 2:
+                break
+            planned = 2 * done[0]  # the second try's forwards, about the first's
+        if progress is not None:
+            progress(1.0)
+        return cls(sizes, prefixes, relative, plain, key, doubt)
 
     def save(self, path: Path) -> None:
         """Write the curve atomically (tr_engine/files.py); OSError when the folder refuses."""
@@ -172,6 +236,34 @@ class CostModel:
             return cls(BUCKETS, prefixes, relative, plain_s, d["key"])
         except (OSError, ValueError, KeyError, TypeError):
             return None  # missing or unreadable: measure again
+
+
+def doubts(seconds: dict[int, float], samples: dict) -> str | None:
+    """Why a measurement at one prefix (time_steps' medians and samples) is not to be trusted, or None: the plain
+    step timed just before the passes and just after them differs by more than NOISE (the machine was busier in one
+    than the other: the sizes timed in between are not comparable), or a size timed well under a smaller one."""
+    before, after = statistics.median(samples["before"]), statistics.median(samples["after"])
+    if max(before, after) > NOISE * min(before, after) + JITTER_S:
+        drift = max(before, after) / min(before, after)
+        return f"a plain step took {drift:.1f}x as long after the measurement as before (was another process busy?)"
+    sizes = sorted(seconds)
+    for i, T in enumerate(sizes):
+        smaller = max(sizes[:i], key=lambda S: seconds[S], default=None)
+        if smaller is not None and seconds[T] * MONOTONE + JITTER_S < seconds[smaller]:
+            return f"a {T}-token verify timed under a {smaller}-token one"
+    return None
+
+
+def envelope(seconds: dict[int, float], sizes: tuple[int, ...]) -> list[float]:
+    """The relative cost of every size, in plain steps: the timed ones made non-decreasing (a bigger verify never
+    costs less than a smaller one; small inversions are noise), the untimed ones past the last timed (too dear to
+    time: time_steps' max_relative) in proportion to their tokens."""
+    rel, top = [], 0.0
+    last = max(seconds)
+    for T in sizes:
+        top = max(top, (seconds[T] if T in seconds else seconds[last] * T / last) / seconds[1])
+        rel.append(round(top, 4))
+    return rel
 
 
 def _positive(x) -> bool:

@@ -112,7 +112,7 @@ class Engine:
         if self.cuda_graphs:
             self.runner = StepGraphs(model, self.cache, graph_buckets(BUCKETS, self.tree.size, self.cache.capacity))
         self._cost: CostModel | None = None
-        self.on_calibrate = None  # called (no arguments) just before the cost curve is measured: a notice, say
+        self.on_calibrate = None  # hears the cost curve's measurement: (fraction done, doubt) (cost_model)
         self.drafters = {}  # method -> the drafter generate/stream use for it, on the engine's matrix (drafter())
         # Batched decoding (generate_batch): up to max_batch sequences a forward, each in a cache of batch_context.
         self.max_batch = checks.integer(max_batch, "--batch", 1)
@@ -164,21 +164,26 @@ class Engine:
         return key, cost_path(home(), key)
 
     def cost_model(self, recalibrate: bool = False) -> CostModel:
-        """The verify cost curve of this model, dtype, device and thread count (tr_engine/cost.py): loaded from
-        $TR_ENGINE_HOME/costs/, or measured now (a few seconds; it overwrites the KV cache, so the next call
-        prefills its whole prompt) and saved there."""
+        """The verify cost curve of this model, dtype, device, kernel tier and thread count (tr_engine/cost.py):
+        loaded from $TR_ENGINE_HOME/costs/, or measured now (a few seconds; it overwrites the KV cache, so the next
+        call prefills its whole prompt) and saved there, unless the measurement was doubtful (a busy machine): then it
+        serves this engine only, and the next engine measures again. `on_calibrate(fraction, doubt)`, if set, hears
+        the measurement's progress: 0.0 at the start, then fractions, then 1.0 with the doubt (None, or why the curve
+        was not saved)."""
         if self._cost is not None and not recalibrate:
             return self._cost
         key, path = self._cost_location()
         cost = None if recalibrate else CostModel.load(path, key)
         shard = self.model.shard  # under tensor parallelism: measured by every rank together, rank 0's curve kept
         if shard.from_rank0(cost is None):
-            if self.on_calibrate is not None:
-                self.on_calibrate()
-            cost = CostModel.measure(self.runner, self.cache, key, top_k=self.matrix_k)
+            notify = self.on_calibrate or (lambda fraction, doubt=None: None)
+            notify(0.0, None)
+            cost = CostModel.measure(self.runner, self.cache, key, top_k=self.matrix_k,
+                                     progress=lambda fraction: notify(fraction, None))
             self.reset_cache()
+            notify(1.0, cost.doubt)
             try:
-                if shard.rank == 0:
+                if shard.rank == 0 and cost.doubt is None:
                     cost.save(path)
             except OSError:
                 pass  # a read-only home: measure again next time
