@@ -22,18 +22,14 @@ from torch.utils import cpp_extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from tr_engine.cpu import for_this_machine  # noqa: E402  (the tier table; imports nothing heavy)
-
-# -ffp-contract=off everywhere: a multiply and an add are fused only where the source says so, so the same loop
-# rounds alike in every instantiation of a kernel (its vector body and its tail, a one-row call and a tile of rows).
-COMMON = ["-O3", "-std=c++17", "-ffp-contract=off"]
+from tr_engine.cpu import compile_flags, for_this_machine  # noqa: E402  (the tier table; imports nothing heavy)
 
 
 def op_library():
     sources = ["csrc/registration.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     # -fopenmp is what makes at::parallel_for parallel: its OpenMP loop is inline in ATen's headers, so without the
     # flag it runs on one thread (torch's own libgomp is the runtime it links against).
-    cxx = COMMON + ["-fopenmp"]
+    cxx = ["-O3", "-std=c++17", "-fopenmp"]
     import torch
 
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
@@ -51,13 +47,10 @@ def op_library():
 
 
 def tier_library(tier):
-    """One tier's kernels: csrc/cpu/kernels/ (no torch) with the tier's flags. Hidden visibility and a version script
-    that exports the one entry point keep each tier's copies of inline and template code to itself; -fopenmp-simd
-    reads the kernels' `omp simd` hints without OpenMP's runtime (the threads are the op library's)."""
-    flags = COMMON + list(tier.flags) + [f"-DTR_ENGINE_TIER_{tier.name.upper()}", "-fvisibility=hidden",
-                                         "-fvisibility-inlines-hidden", "-fopenmp-simd"]
+    """One tier's kernels: csrc/cpu/kernels/ (no torch) with the tier's flags (tr_engine/cpu.py says why each), and a
+    version script that exports the one entry point."""
     return Extension(f"tr_engine._cpu_{tier.name}", ["csrc/cpu/kernels/tier.cpp"], language="c++",
-                     depends=sorted(glob.glob("csrc/cpu/kernels/*.h")), extra_compile_args=flags,
+                     depends=sorted(glob.glob("csrc/cpu/kernels/*.h")), extra_compile_args=compile_flags(tier),
                      extra_link_args=[f"-Wl,--version-script={os.path.join(HERE, 'csrc/cpu/kernels/exports.map')}"])
 
 

@@ -5,11 +5,15 @@ model) against ours (ar, hybrid, tr, pld), question by question in alternation, 
 measured between questions and just before and after each plain run, and each plain step's share of the floor it
 sets (weight bytes / bandwidth): against the run's median bandwidth, and against the bandwidth beside each run.
 
-    python -m bench.peers [--per-group 2] [--max-new-tokens 128] [--threads 2] [--dtypes bfloat16 float32]
+    python -m bench.peers [--tier avx2] [--per-group 2] [--max-new-tokens 128] [--threads 2] [--dtypes bfloat16 float32]
 
-llama.cpp is built once, from the source vendored in the llama-cpp-python sdist on PyPI (about 15 minutes on 2 cores),
-into the tr_engine cache ($TR_ENGINE_HOME or ~/.cache/tr_engine, under peers/); later runs reuse it. A benchmark only:
-`make test` never builds it. Writes bench/results/peers.{md,json}.
+Both sides for one instruction set: ours on a CPU kernel tier (tr_engine/cpu.py; default the best this CPU runs),
+llama.cpp built for the same one (ggml's CPU backend with GGML_NATIVE for the AVX-512 tiers, with AVX2, FMA and F16C
+and nothing above them for avx2), so `--tier avx2` on an AVX-512 machine shows what an AVX2 machine would get from
+each, on this machine's memory. llama.cpp is built once per instruction set, from the source vendored in the
+llama-cpp-python sdist on PyPI (about 15 minutes on 2 cores), into the tr_engine cache ($TR_ENGINE_HOME or
+~/.cache/tr_engine, under peers/); later runs reuse it. A benchmark only: `make test` never builds it. Writes
+bench/results/peers_<tier>.{md,json}.
 """
 
 import json
@@ -25,6 +29,7 @@ import torch
 
 from bench.machine import machine_info, machine_line, read_bandwidth
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
+from tr_engine import cpu
 from tr_engine.cli import ArgumentParser, run
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
@@ -34,6 +39,19 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose sdist vendors 
 TARGETS = ("llama-quantize", "llama-completion", "llama-lookup")
 GGUF_TYPES = {"bfloat16": "BF16", "float32": "F32"}
 OURS = ("ar", "hybrid", "tr", "pld")
+# ggml's CPU backend options for each of our tiers' instruction sets: the AVX-512 tiers are this CPU's own (the only
+# place they run); avx2 is AVX2 + FMA + F16C and nothing above, as our avx2 tier is built.
+GGML_ISA = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
+             "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+             "-DGGML_AMX_BF16=OFF"],
+}
+
+
+def isa_of(tier: str) -> str:
+    return "avx2" if tier == "avx2" else "native"
 
 
 def sh(cmd: list, what: str, **kwargs) -> subprocess.CompletedProcess:
@@ -47,10 +65,12 @@ def sh(cmd: list, what: str, **kwargs) -> subprocess.CompletedProcess:
         raise UserError(f"{what} failed (exit {e.returncode}): {last[0]}") from None
 
 
-def llama_cpp(version: str = LLAMA_CPP_PYTHON) -> Path:
-    """The folder of llama.cpp's binaries, built on first use from the llama-cpp-python sdist (PyPI)."""
+def llama_cpp(isa: str = "native", version: str = LLAMA_CPP_PYTHON) -> Path:
+    """The folder of llama.cpp's binaries for instruction set `isa` (GGML_ISA), built on first use from the
+    llama-cpp-python sdist (PyPI)."""
     root = home() / "peers"
-    bin_dir = root / f"build-{version}" / "bin"
+    build = root / (f"build-{version}" if isa == "native" else f"build-{version}-{isa}")
+    bin_dir = build / "bin"
     if all((bin_dir / t).exists() for t in TARGETS):
         return bin_dir
     root.mkdir(parents=True, exist_ok=True)
@@ -63,10 +83,9 @@ def llama_cpp(version: str = LLAMA_CPP_PYTHON) -> Path:
         with tarfile.open(root / f"llama_cpp_python-{version}.tar.gz") as tar:
             tar.extractall(root, members=[m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name],
                            filter="data")
-    build = root / f"build-{version}"
-    print(f"building llama.cpp ({', '.join(TARGETS)}) into {build}: about 15 minutes on 2 cores ...",
+    print(f"building llama.cpp ({', '.join(TARGETS)}) for {isa} into {build}: about 15 minutes on 2 cores ...",
           file=sys.stderr, flush=True)
-    sh(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    sh(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *GGML_ISA[isa],
         "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
        "configuring llama.cpp")
     sh(["cmake", "--build", build, "-j", str(len(os.sched_getaffinity(0))), "--target", *TARGETS],
@@ -153,7 +172,7 @@ def split(questions: list[dict], warm_up: int) -> tuple[list[dict], list[dict]]:
 
 
 def measure(args) -> dict:
-    bin_dir = llama_cpp()
+    bin_dir = llama_cpp(isa_of(args.tier))
     warm, questions = split(load_questions(args.questions_file, None, None, per_group=args.per_group + args.warm_up),
                             args.warm_up)
     results = {}
@@ -200,7 +219,8 @@ def measure(args) -> dict:
                   f"{rows['hybrid'][-1]['decode_tokens'] / rows['hybrid'][-1]['decode_s']:.1f}", flush=True)
         results[dtype] = dict(weight_bytes=weight_bytes(engine), bandwidth_gb_s=bandwidth, rows=rows)
         del engine
-    return {"questions": len(questions), "per_group": args.per_group, "warm_up": len(warm),
+    return {"questions": len(questions), "per_group": args.per_group, "warm_up": len(warm), "tier": args.tier,
+            "llama_cpp_isa": GGML_ISA[isa_of(args.tier)],
             "max_new_tokens": args.max_new_tokens,
             "threads": args.threads, "llama_cpp_python": LLAMA_CPP_PYTHON, "results": results}
 
@@ -244,10 +264,12 @@ def summary(rows: list[dict]) -> dict:
 
 def write(out: Path, data: dict, info: dict) -> str:
     n = data["questions"]
-    lines = ["# Our decoding beside llama.cpp's, on this CPU", "",
+    isa = " ".join(data["llama_cpp_isa"])
+    lines = [f"# Our decoding beside llama.cpp's, on this CPU, for the {data['tier']} instruction set", "",
              f"Machine: {machine_line(info)}. SmolLM2-135M-Instruct, the same weights in both (the shipped Q4_1 GGUF "
              f"dequantized; llama.cpp's requantized with `llama-quantize --allow-requantize`, from llama-cpp-python "
-             f"{data['llama_cpp_python']}'s vendored source built with GGML_NATIVE). {n} dev-split questions "
+             f"{data['llama_cpp_python']}'s vendored source built with `{isa}`; ours on the {data['tier']} kernel "
+             f"tier). {n} dev-split questions "
              f"({data['per_group']} per category group, first turn, the same ChatML text) after {data['warm_up']} "
              "warm-up questions (the next in each group) that give both sides a hot start: our recycling matrix "
              "and llama-lookup's dynamic n-gram cache; up to "
@@ -291,13 +313,13 @@ def write(out: Path, data: dict, info: dict) -> str:
                   f"**{table['ar']['decode_tok_s'] / base:.2f}x**.", ""]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "peers.md").write_text(text)
+    (out / f"peers_{data['tier']}.md").write_text(text)
     slim = json.loads(json.dumps(data))
     for res in slim["results"].values():  # the texts stay out of the committed record; the verdicts stay in
         for rows in res["rows"].values():
             for r in rows:
                 r.pop("text", None)
-    (out / "peers.json").write_text(json.dumps({"machine": info, **slim}, indent=1) + "\n")
+    (out / f"peers_{data['tier']}.json").write_text(json.dumps({"machine": info, **slim}, indent=1) + "\n")
     return text
 
 
@@ -311,11 +333,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(GGUF_TYPES))
     ap.add_argument("--lookup-drafts", type=int, nargs="+", default=[3, 8],
                     help="llama-lookup's --spec-draft-n-max values to run (3 is its default)")
+    ap.add_argument("--tier", choices=cpu.NAMES, default=None,
+                    help="our CPU kernel tier, and llama.cpp built for its instruction set (default: the best here)")
     ap.add_argument("--build-only", action="store_true", help="build llama.cpp and the GGUFs, then stop")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
+    args.tier = cpu.use(args.tier)
     if args.build_only:
-        bin_dir = llama_cpp()
+        bin_dir = llama_cpp(isa_of(args.tier))
         for dtype in args.dtypes:
             print(gguf_for(bin_dir, dtype))
         return 0

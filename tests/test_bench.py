@@ -284,8 +284,9 @@ def test_peers_reads_llama_cpps_timings_and_sets_the_engines_side_by_side(tmp_pa
     rows = {"llama.cpp": [plain], "llama.cpp lookup 3": [lookup], "ar": [ar],
             "hybrid": [ours(100, 0.5, 50)], "tr": [ours(100, 0.55, 52)], "pld": [ours(100, 0.8, 70)]}
     assert summary(rows["hybrid"])["mat"] == pytest.approx(101 / 51)
-    data = {"questions": 1, "per_group": 1, "warm_up": 6, "max_new_tokens": 128, "threads": 2,
-            "llama_cpp_python": "0.3.36", "results": {"bfloat16": dict(weight_bytes=269_000_000,
+    data = {"questions": 1, "per_group": 1, "warm_up": 6, "max_new_tokens": 128, "threads": 2, "tier": "avx2",
+            "llama_cpp_isa": ["-DGGML_AVX2=ON"], "llama_cpp_python": "0.3.36",
+            "results": {"bfloat16": dict(weight_bytes=269_000_000,
                                                                        bandwidth_gb_s=[30.0, 40.0, 35.0],
                                                                        rows=rows)}}
     text = write(tmp_path / "out", data, {"cpu": "test", "cores": 2, "threads": 2, "torch": "x", "python": "y",
@@ -296,7 +297,8 @@ def test_peers_reads_llama_cpps_timings_and_sets_the_engines_side_by_side(tmp_pa
     assert "| tr-engine | hybrid | 200.0 | 2.00x | 5.00 |  |  |" in text
     assert "Best of ours (hybrid) / best of llama.cpp's (llama.cpp lookup 3): **1.58x**" in text
     assert "Plain against plain: **1.05x**" in text
-    assert "text" not in json.loads((tmp_path / "out" / "peers.json").read_text())["results"]["bfloat16"]["rows"][
+    assert "for the avx2 instruction set" in text and "built with `-DGGML_AVX2=ON`; ours on the avx2 kernel" in text
+    assert "text" not in json.loads((tmp_path / "out" / "peers_avx2.json").read_text())["results"]["bfloat16"]["rows"][
         "llama.cpp"][0]
     questions = [{"category": c} for c in ("writing", "translation", "writing", "translation", "qa")]
     warm, measured = split(questions, 1)

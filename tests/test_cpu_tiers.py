@@ -151,11 +151,9 @@ def aarch64_build(tmp_path_factory):
     if CROSS is None:
         pytest.skip("no aarch64 cross-compiler: install Debian's g++-aarch64-linux-gnu (make test does, with apt)")
     out = tmp_path_factory.mktemp("aarch64")
-    neon = cpu.tier("neon")
-    common = ["-O3", "-std=c++17", "-ffp-contract=off"]
-    subprocess.run([CROSS, *common, *neon.flags, "-DTR_ENGINE_TIER_NEON", "-fPIC", "-shared", "-fvisibility=hidden",
-                    "-fvisibility-inlines-hidden", "-fopenmp-simd", f"-Wl,--version-script={KERNELS / 'exports.map'}",
-                    str(KERNELS / "tier.cpp"), "-o", str(out / "_cpu_neon.so")], check=True)
+    subprocess.run([CROSS, *cpu.compile_flags(cpu.tier("neon")), "-fPIC", "-shared",
+                    f"-Wl,--version-script={KERNELS / 'exports.map'}", str(KERNELS / "tier.cpp"), "-o",
+                    str(out / "_cpu_neon.so")], check=True)
     subprocess.run([CROSS, "-O2", "-std=c++17", "-ffp-contract=off", str(HARNESS), "-o", str(out / "kernel_harness"),
                     "-ldl", "-pthread"], check=True)
     return out

@@ -49,6 +49,23 @@ TIERS = (
 NAMES = tuple(t.name for t in TIERS)
 
 
+# How every tier's library is compiled (setup.py; the cross-compile test), besides its own flags:
+#  -ffp-contract=off: a multiply and an add are fused only where the source says so (numbers.h's fmadd, simd.h's
+#     mul_add), so a loop rounds alike in every instantiation of a kernel: its vector body and its tail, a one-row
+#     call and a tile of rows. Row independence rests on it.
+#  -fno-trapping-math: no value changes (clang's default); it lets the compiler turn a select after a computation
+#     into a blend, without which GCC left softmax's exponential a scalar loop on AVX2 (attention 1.3x slower).
+#  -fopenmp-simd: the kernels' `omp simd` hints, without OpenMP's runtime (the threads are the op library's).
+#  hidden visibility (and setup.py's version script): each tier keeps its own copies of inline and template code.
+KERNEL_FLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp-simd", "-fvisibility=hidden",
+                "-fvisibility-inlines-hidden")
+
+
+def compile_flags(t: Tier) -> list[str]:
+    """The compiler flags of tier t's library."""
+    return [*KERNEL_FLAGS, *t.flags, f"-DTR_ENGINE_TIER_{t.name.upper()}"]
+
+
 def tier(name: str) -> Tier:
     return next(t for t in TIERS if t.name == name)
 

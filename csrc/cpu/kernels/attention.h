@@ -38,9 +38,13 @@ constexpr int64_t kKeyBlock = 256;  // keys per softmax block: 6 rows of scores 
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// 2^x for x <= 0 (convert.h's exp2_clamped; its bits for x >= -126, 0 below). Scores are kept in log2 units (the
-// queries are pre-multiplied by log2(e)), so softmax needs 2^x; masked scores are -inf and give 0.
-inline float exp2_nonpositive(float x) { return x < -126.0f ? 0.f : exp2_clamped(x); }
+// 2^x for x <= 0 (numbers.h's exp2_clamped: its bits for x >= -126, 0 below). Scores are kept in log2 units (the
+// queries are pre-multiplied by log2(e)), so softmax needs 2^x; masked scores are -inf and give 0. Computed, then
+// selected: written as a choice before the call, the compiler keeps a branch (and a scalar loop) on AVX2.
+inline float exp2_nonpositive(float x) {
+  const float p = exp2_clamped(x);
+  return x < -126.0f ? 0.f : p;
+}
 inline double exp2_nonpositive(double x) { return std::exp2(x); }
 
 // s[r, j] = sum_d q[r, d] * kt[d, j] for r < R and the W keys j0..j0+W-1. q [R, D]; kt [D, ldk] holds the keys
@@ -378,12 +382,16 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       for (int64_t j = 0; j < width; ++j) block_max = sr[j] > block_max ? sr[j] : block_max;
       const Acc new_max = std::max(m[r], block_max);
       const Acc correction = exp2_nonpositive(m[r] - new_max);  // 0 for the first block (m = -inf)
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) sr[j] = exp2_nonpositive(sr[j] - new_max);
+      // The block's sum in kKeyPad lanes (key j into lane j % kKeyPad), then the lanes in order: one order for a row
+      // wherever it is computed (an `omp simd` reduction's order is the vectorizer's, which may differ between the
+      // kernel's instantiations for different tile heights).
+      Acc lane[kKeyPad] = {};
+      for (int64_t j = 0; j < width; j += kKeyPad)
+        for (int64_t i = 0; i < kKeyPad; ++i) lane[i] += sr[j + i];
       Acc block_sum = 0;
-#pragma omp simd reduction(+ : block_sum)
-      for (int64_t j = 0; j < width; ++j) {
-        sr[j] = exp2_nonpositive(sr[j] - new_max);
-        block_sum += sr[j];
-      }
+      for (int64_t i = 0; i < kKeyPad; ++i) block_sum += lane[i];
       l[r] = l[r] * correction + block_sum;
       m[r] = new_max;
       for (int64_t d = 0; d < D; ++d) o[r * D + d] *= correction;

@@ -42,9 +42,12 @@ constexpr int kPackRows = std::min(8, (kRegisters - kNarrowVecs - 1) / kNarrowVe
 constexpr int64_t kRowChunk = 192;  // rows of x per pass over w, so x's chunk stays in L2 for a long prefill
 static_assert(kPackBlock % (kNarrowVecs * kLanes) == 0, "a pass covers a whole number of a block's outputs");
 
-// The vectors per pass for a tile of R rows (`extra` registers besides the accumulators and weights: 1 for a
-// broadcast, 3 for bf16 pairs widened: the word and its two halves).
-constexpr int vecs_for(int R, int extra) { return R * kWideVecs + kWideVecs + extra <= kRegisters ? kWideVecs : kNarrowVecs; }
+// The vectors per pass for a tile of R rows: a whole block if its accumulators, `per_vec` weight registers per vector
+// of outputs and `fixed` more (the broadcasts) fit, else 16 outputs. (float32, float16: one weight vector each, one
+// broadcast; bf16 widened: a pair's even and odd weights, two broadcasts.)
+constexpr int vecs_for(int R, int per_vec, int fixed) {
+  return R * kWideVecs + per_vec * kWideVecs + fixed <= kRegisters ? kWideVecs : kNarrowVecs;
+}
 
 // The prefetch distance: the hardware prefetchers alone left this stream short of the memory's bandwidth (each
 // matmul of a step is short: 0.7-3.5 MB for SmolLM2, split between the threads, and at 8 rows the multiply-adds keep
@@ -172,12 +175,12 @@ void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64
   const int64_t blocks = (N + kPackBlock - 1) / kPackBlock, block_size = groups * kPackBlock * pack_width<T>();
   constexpr bool bf16_pairs = std::is_same_v<T, bf16>;
   constexpr bool floats = !(bf16_pairs && kBf16Dot);  // whether the passes read x as floats
-  constexpr int extra = bf16_pairs && !kBf16Dot ? 3 : 1;  // registers besides accumulators and weights
+  constexpr bool widened = bf16_pairs && !kBf16Dot;  // even and odd weights, two broadcasts (vecs_for)
   for (int64_t t0 = 0; t0 < rows; t0 += kRowChunk) {
     const int64_t chunk = std::min(kRowChunk, rows - t0);
     const float* xf = floats ? rows_as_float(x + t0 * ldx, ldx, chunk) : nullptr;
     const int64_t tiles = (chunk + kPackRows - 1) / kPackRows;
-    const int vecs = vecs_for(static_cast<int>((chunk + tiles - 1) / tiles), extra);  // as the biggest tile's
+    const int vecs = vecs_for(static_cast<int>((chunk + tiles - 1) / tiles), widened ? 2 : 1, widened ? 2 : 1);
     parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int valid = static_cast<int>(std::min(kPackBlock, N - b * kPackBlock));
@@ -190,7 +193,7 @@ void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64
               T* yt = y + (t0 + t) * N + b * kPackBlock;
               with_rows<kPackRows>(r, [&](auto rows_constant) {
                 constexpr int R = decltype(rows_constant)::value;
-                if constexpr (V == kNarrowVecs || vecs_for(R, extra) == kWideVecs) {  // (the tiles V is chosen for)
+                if constexpr (V == kNarrowVecs || vecs_for(R, widened ? 2 : 1, widened ? 2 : 1) == kWideVecs) {
                   const bool lead = g == 0 && c0 == 0;
                   if constexpr (bf16_pairs)
                     pass_bf16<R, V>(xf ? xf + t * ldx : nullptr, x + (t0 + t) * ldx, ldx, wb, groups, yt, N, c0,

@@ -109,7 +109,7 @@ inline float round_nearest(float x) {
 // scalar call). The range reduction is exact: x = n + r with n = round(x), |r| <= 1/2; 2^r = e^(r ln2) by its
 // degree-6 Taylor polynomial (relative error < 2e-7); 2^n is written into the exponent bits.
 inline float exp2_clamped(float x) {
-  x = std::min(std::max(x, -126.0f), 127.0f);  // keeps the exponent arithmetic below in range
+  x = x < -126.0f ? -126.0f : (x > 127.0f ? 127.0f : x);  // keeps the exponent arithmetic below in range
   const float n = round_nearest(x);
   const float r = x - n;
   float p = 1.5403530e-4f;  // (ln 2)^6 / 6!
