@@ -41,7 +41,7 @@ $(VENV)/.cross: | $(VENV)/.deps
 # The op library tr_engine._C, built in place (objects kept under build/, so a changed source recompiles alone), then
 # the package installed editable around it; rebuilt when a C++/CUDA source changes.
 $(VENV)/.built: $(VENV)/.deps $(CSRC)
-	$(PY) setup.py -q build_ext --inplace
+	$(PY) setup.py -q build_ext --inplace -j $$(nproc)
 	TR_ENGINE_PREBUILT=1 $(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 

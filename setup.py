@@ -5,8 +5,8 @@ already installed:
 
     pip install --no-build-isolation -e .
 
-`make install` builds in place instead (`python setup.py build_ext --inplace`: objects kept under build/, so a changed
-kernel recompiles alone), then installs the package editable with TR_ENGINE_PREBUILT=1, which skips the extensions
+`make install` builds in place instead (`python setup.py build_ext --inplace -j N`: the libraries side by side,
+objects kept under build/, so a changed kernel recompiles alone), then installs the package editable with TR_ENGINE_PREBUILT=1, which skips the extensions
 (already in the source tree). bench/gpu_check.py builds the same way on a bare GPU machine.
 
 Nothing is compiled for the building machine's own CPU: _C for the architecture's baseline, each tier for its
@@ -16,6 +16,8 @@ instruction set, so a build (or a wheel) runs on any CPU of the architecture, wi
 import glob
 import os
 import sys
+import threading
+from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
 from torch.utils import cpp_extension
@@ -29,7 +31,7 @@ def op_library():
     sources = ["csrc/registration.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     # -fopenmp is what makes at::parallel_for parallel: its OpenMP loop is inline in ATen's headers, so without the
     # flag it runs on one thread (torch's own libgomp is the runtime it links against).
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-g0"]  # (-g0: Python's own CFLAGS ask for -g, 40% of the build's time)
     import torch
 
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
@@ -46,24 +48,48 @@ def op_library():
     )
 
 
+def tier_source(tier) -> str:
+    """csrc/cpu/kernels/tier.cpp under a name of the tier's own (a one-line file under build/), so that each tier's
+    object file is its own and the tiers compile side by side (`build_ext -j`)."""
+    path = Path(HERE, "build", "tiers", f"{tier.name}.cpp")
+    text = f'// The {tier.name} tier (setup.py): every CPU kernel, compiled with its flags.\n#include "../../csrc/cpu/kernels/tier.cpp"\n'
+    if not path.exists() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return os.path.relpath(path, HERE)
+
+
 def tier_library(tier):
     """One tier's kernels: csrc/cpu/kernels/ (no torch) with the tier's flags (tr_engine/cpu.py says why each), and a
     version script that exports the one entry point."""
-    return Extension(f"tr_engine._cpu_{tier.name}", ["csrc/cpu/kernels/tier.cpp"], language="c++",
-                     depends=sorted(glob.glob("csrc/cpu/kernels/*.h")), extra_compile_args=compile_flags(tier),
+    return Extension(f"tr_engine._cpu_{tier.name}", [tier_source(tier)], language="c++",
+                     depends=sorted(glob.glob("csrc/cpu/kernels/*.h")) + ["csrc/cpu/kernels/tier.cpp"],
+                     extra_compile_args=[*compile_flags(tier), "-g0"],
                      extra_link_args=[f"-Wl,--version-script={os.path.join(HERE, 'csrc/cpu/kernels/exports.map')}"])
 
 
 class BuildExtension(cpp_extension.BuildExtension):
-    """torch's build, with objects kept apart per extension: every tier compiles the same tier.cpp with other flags."""
+    """torch's ninja build, with each extension's objects and ninja files in a folder of its own under build/: `-j`
+    builds the extensions side by side, one ninja each, and ninjas sharing a folder corrupt each other's dependency
+    log (every later build then recompiles everything)."""
+
+    _building = threading.local()  # the extension this thread builds
+
+    @property
+    def build_temp(self):
+        name = getattr(self._building, "name", None)
+        return self._build_temp if name is None else os.path.join(self._build_temp, name)
+
+    @build_temp.setter
+    def build_temp(self, value):
+        self._build_temp = value
 
     def build_extension(self, ext):
-        base = self.build_temp
-        self.build_temp = os.path.join(base, ext.name)
+        self._building.name = ext.name
         try:
             super().build_extension(ext)
         finally:
-            self.build_temp = base
+            self._building.name = None
 
 
 extensions = [op_library()] + [tier_library(t) for t in for_this_machine()]

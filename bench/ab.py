@@ -4,7 +4,7 @@ the same? (A refactor's before/after, or a kernel change's.)
     python -m bench.ab --before /tmp/before --after . --dtypes bfloat16 float32 --questions 24
 
 Each checkout answers in its own worker process (its own tr_engine, imported from that folder; build its op library
-there first: `python setup.py build_ext --inplace`), loaded once and kept warm, so the two alternate question by
+there first: `python setup.py build_ext --inplace -j 2`), loaded once and kept warm, so the two alternate question by
 question (A B, then B A) and share whatever drift the machine has. Both start from an empty recycling matrix and see
 the same questions in the same order, so a lossless engine gives both the same tokens. Reported: tokens per second of
 each over the whole run, their ratio, the median and spread of the per-question ratios, and how many answers are

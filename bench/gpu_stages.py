@@ -75,8 +75,8 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def stage_build(s: Stage) -> dict:
-    """`python setup.py build_ext --inplace`, as `make install` does: objects under build/ (a rebuild recompiles only
-    what changed), the library in tr_engine/. On a GPU, for its own architecture only and with every core."""
+    """`python setup.py build_ext --inplace -j N`, as `make install` does: objects under build/ (a rebuild recompiles
+    only what changed), the libraries in tr_engine/. On a GPU, for its own architecture only and with every core."""
     import torch
 
     env = {**os.environ, "MAX_JOBS": str(os.cpu_count() or 1)}
@@ -86,8 +86,8 @@ def stage_build(s: Stage) -> dict:
     else:
         s.skipped.append("CUDA kernels: no CUDA device, so the CPU kernels alone are built")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace", "-j", str(os.cpu_count() or 1)],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     print(proc.stdout, proc.stderr, sep="\n")  # the whole build log goes to log.txt
     if proc.returncode != 0:  # (ninja reports a compiler's errors on stdout)

@@ -117,6 +117,14 @@ def smollm2(smollm2_dir):
     return Engine.from_pretrained(str(smollm2_dir), dtype="float32", max_context=1024)
 
 
+@pytest.fixture(scope="session")
+def smollm2_default(smollm2_dir):
+    """SmolLM2 as the commands load it by default (dtype "auto": bfloat16 on a CPU)."""
+    from tr_engine.engine import Engine
+
+    return Engine.from_pretrained(str(smollm2_dir), max_context=1024)
+
+
 class DevAnswer(NamedTuple):
     question: str  # its question_id
     prompt: str  # its first turn

@@ -78,9 +78,25 @@ def test_bad_flags_are_one_line_errors(folder, flags, needle):
 
 def test_the_flags_offer_the_dtypes_the_loader_takes():
     from tr_engine.cli_args import DTYPE_NAMES
-    from tr_engine.weights import DTYPES
+    from tr_engine.weights import DTYPES, default_dtype, parse_dtype
 
-    assert set(DTYPE_NAMES) == set(DTYPES)
+    assert set(DTYPE_NAMES) == set(DTYPES) | {"auto"}
+    assert parse_dtype("auto") == default_dtype("cpu") == torch.float16  # the CPU default (README "CPUs")
+    assert parse_dtype("auto", "cuda") == torch.float32 and parse_dtype("auto", torch.device("cpu")) == torch.float16
+
+
+def test_a_model_that_overflows_float16_is_told_to_use_bfloat16(tiny_factory):
+    """Weights so large that the MLP's products pass float16's 65504: the default dtype cannot run this model, and the
+    answer says which can, once and with nothing cached; bfloat16's range runs it."""
+    folder = tiny_factory("fp16-overflow", std=300.0)
+    engine = Engine.from_pretrained(str(folder))
+    with pytest.raises(UserError, match=r"overflowed float16.*--dtype bfloat16"):
+        engine.generate("hello", max_new_tokens=4, method="ar")
+    assert engine.cache.length == 0
+    proc = run_module("tr_engine.generate", "--model", str(folder), "--prompt", "hello", "--max-new-tokens", "4",
+                      "--method", "ar")
+    assert_one_line_error(proc, "overflowed float16", "--dtype bfloat16")
+    assert len(Engine.from_pretrained(str(folder), dtype="bfloat16").generate("hello", max_new_tokens=4).token_ids) == 4
 
 
 def test_bad_flags_in_a_real_process(folder):

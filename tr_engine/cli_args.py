@@ -11,7 +11,7 @@ from tr_engine.errors import UserError
 from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, MAX_MATRIX_K, methods
 from tr_engine.models import DEFAULT_MODEL
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")  # weights.DTYPES, torch-free
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")  # weights.DTYPES, torch-free
 
 
 def integer(low: int | None = None, high: int | None = None, what: str = ""):
@@ -62,8 +62,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="hybrid (default, the fastest measured here): Token Recycling's tree with prompt lookup's "
                          "chain; tr: Token Recycling alone (with --tree 2.2.2: the paper's setting); pld: prompt "
                          "lookup; ar: plain greedy. Same output tokens")
-    ap.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, metavar="DTYPE",
-                    help="float32 (default), bfloat16, float16")
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
+                    help="auto (default: float16 on a CPU, exact, near fp32's answers and as fast as bfloat16 but "
+                         "on AVX512-BF16 hosts; float32 on a GPU), float32, bfloat16, float16")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     ap.add_argument("--max-context", type=integer(1), default=None, help="KV-cache capacity in tokens")
     ap.add_argument("--threads", type=integer(1, checks.usable_cpus(), "the CPUs this process may use"), default=None,

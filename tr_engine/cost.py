@@ -44,17 +44,23 @@ MONOTONE = 1.15  # a size may time up to this much under a smaller one (noise); 
 JITTER_S = 0.5e-3  # allowed on top of both, absolutely: a tiny model's millisecond steps jitter by that much
 MEASURE_BUDGET_S = 6.0  # timed passes of one measurement, both prefixes together
 MEASURE_CEILING_S = 20.0  # a second try only if the first took under half of this
+# Cheap steps (a tiny model's, well under a millisecond) jitter by a good part of their time: their sizes get more
+# timed passes, up to MEASURE_FLOOR_S of them at each prefix (a median of 3 there moves trees by whole levels).
+MEASURE_FLOOR_S = 0.5
+MAX_PASSES = 64
 
 
 @torch.inference_mode()
 def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = True,
                top_k: int = 8, budget_s: float | None = None, warm_up: bool = True,
-               max_relative: float | None = None, samples: dict | None = None, on_step=None) -> dict[int, float]:
+               max_relative: float | None = None, samples: dict | None = None, on_step=None,
+               floor_s: float | None = None) -> dict[int, float]:
     """Median seconds of one forward of T tokens (a breadth-first tree; T = 1 is a plain decode step, no mask) after
     `prefix` cached tokens, for every T in `sizes` (increasing), timed in alternation so that a noisy spell hits every
     size alike: `reps` passes over the sizes after a warm-up pass (unless `warm_up` is False: a second prefix, whose
     first calls of each size have nothing left to set up), or fewer (one at least) once the timed passes have taken
-    `budget_s` (a 7B model's pass takes half a minute on a CPU, a small model's a second). With `max_relative`, the
+    `budget_s` (a 7B model's pass takes half a minute on a CPU, a small model's a second), or more (up to MAX_PASSES)
+    until they have taken `floor_s` (a tiny model's pass takes milliseconds, and its timings jitter). With `max_relative`, the
     sizes after the first that took more than that many plain steps are not timed again, nor returned (judged in the
     warm-up pass at twice the limit, then in the first timed one). `samples`, if given, receives every timing of each
     size, and under "before" and "after" three more plain steps' timed just before and after the passes (a noisy
@@ -101,7 +107,8 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     before = None
     if warm_up:
         step(1)  # the very first forward sets things up: the warm-up pass's plain step is then a fair yardstick
-    for n in range((1 if warm_up else 0) + reps):
+    n = 0
+    while True:
         warm = warm_up and n == 0  # the warm-up pass: first-call allocations and kernel selection, not kept
         if not warm and start is None:
             before = plain_steps() if samples is not None else None
@@ -119,7 +126,12 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
             elif judging and elapsed > limit:  # the first too dear one stays, the curve's edge; the rest go
                 kept = kept[:i + 1]
                 break
-        if not warm and budget_s is not None and time.perf_counter() - start >= budget_s:
+        n += 1
+        timed = n - (1 if warm_up else 0)
+        elapsed = time.perf_counter() - start if start is not None else 0.0
+        if budget_s is not None and timed >= 1 and elapsed >= budget_s:
+            break
+        if timed >= reps and (floor_s is None or elapsed >= floor_s or timed >= MAX_PASSES):
             break
     if samples is not None:
         samples.update({T: times[T] for T in kept}, before=before, after=plain_steps())
@@ -203,7 +215,8 @@ class CostModel:
             for i, prefix in enumerate(prefixes):
                 samples = {}
                 s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k, budget_s=budget_s / len(prefixes),
-                               warm_up=i == 0, max_relative=MAX_RELATIVE, samples=samples, on_step=on_step)
+                               warm_up=i == 0, max_relative=MAX_RELATIVE, samples=samples, on_step=on_step,
+                               floor_s=MEASURE_FLOOR_S)
                 doubt = doubt or doubts(s, samples)
                 relative.append(envelope(s, sizes))
                 plain.append(s[1])

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tr_engine.errors import UserError
 from tr_engine.kv_cache import KVCache
 from tr_engine.model import Llama
 from tr_engine.sampling import Sampler, greedy
@@ -43,6 +44,9 @@ def prefill(model: Llama, cache: KVCache, prompt_ids: list[int], all_logits: boo
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)  # [T]
     positions = torch.arange(cache.length, cache.length + len(prompt_ids), device=device)  # [T]
     logits = model(ids, positions, cache.data, cache.length, last_logits_only=not all_logits)  # [T or 1, V]
+    if model.dtype == torch.float16 and not bool(torch.isfinite(logits[-1]).all()):
+        raise UserError("the model's activations overflowed float16 (its logits are not finite); run it with "
+                        "--dtype bfloat16 or float32")
     cache.length += len(prompt_ids)
     return logits if all_logits else logits[0]
 

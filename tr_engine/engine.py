@@ -1,6 +1,6 @@
 """The Python API: load a model once, then generate. The command-line tools and the benchmarks go through it.
 
-    engine = Engine.from_pretrained("smollm2-135m-instruct", dtype="float32")  # method="hybrid", the default
+    engine = Engine.from_pretrained("smollm2-135m-instruct")  # dtype "auto" (fp16 on a CPU), method="hybrid"
     result = engine.generate("What is the capital of France?", max_new_tokens=64)
     print(result.text, result.tokens_per_s, result.mean_accepted)
     for piece in engine.stream([{"role": "user", "content": "Tell me a joke."}]):
@@ -195,7 +195,7 @@ class Engine:
         cls,
         name_or_path: str,
         device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         max_context: int | None = None,
         model_dir: str | None = None,
         ops="kernels",
@@ -228,8 +228,8 @@ class Engine:
         if max_context is not None:
             checks.integer(max_context, "--max-context", 1)
         folder = resolve_model(str(name_or_path), model_dir)
-        dtype = parse_dtype(dtype)
         device = _check_device(device)
+        dtype = parse_dtype(dtype, device)
         checks.integer(tp, "--tp", 1)
         if tp > 1 and cuda_graphs:
             raise UserError("--cuda-graphs on does not work with --tp yet (a graph would hold the all-reduces); "
