@@ -140,7 +140,7 @@ def test_stream_batch_yields_each_requests_text(tiny64):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])  # (float32 rounds less: the tiny models' float32 tests hold it)
 def test_smollm2_a_batch_of_8_dev_questions_is_plain_decoding_alone(smollm2_dir, dtype, request):
     """The dev split's subset (one first turn per category group) and two repeats (so several sequences write the
     same matrix rows in a step), 8 requests through 4 slots: every request's tokens are its plain decoding alone,
