@@ -98,6 +98,7 @@ setup(
     version="0.1.0",
     description="Token Recycling: lossless speculative decoding with no draft model, with C++/CUDA kernels",
     packages=find_packages(include=["tr_engine", "tr_engine.*", "weights_tools", "weights_tools.*"]),
+    package_data={"tr_engine": ["trees/*.json"]},  # the paper's tree (--tree 2.2.2, and the adaptive tree's shape)
     python_requires=">=3.10",
     ext_modules=[] if os.environ.get("TR_ENGINE_PREBUILT") == "1" else extensions,
     cmdclass={"build_ext": BuildExtension},
