@@ -1,9 +1,9 @@
 """The CPU kernel tiers (tr_engine/cpu.py, csrc/cpu/tiers.cpp, csrc/cpu/kernels/): one kernel source built for every
 instruction set of the architecture, the best this CPU runs chosen when the ops load (or TR_ENGINE_CPU's), each tier
 exact by itself, and a build that runs on CPUs with fewer features than the one that built it. The kernels' own tests
-(tests/test_<op>.py, the op contract) run once per tier through conftest's cpu_tier fixture; here: choosing, the
-build, a kernel harness without torch on every tier (and on aarch64 NEON under qemu), and every decoding method
-against plain decoding on every tier."""
+(tests/test_<op>.py, the op contract) run once per tier through conftest's cpu_tier fixture (but avx512 where
+avx512bf16 runs: its very code but for the bf16 dot product); here: choosing, the build, and on every tier a kernel
+harness without torch (on aarch64 NEON too, under qemu) and every decoding method against plain decoding."""
 
 import json
 import shutil
@@ -203,7 +203,18 @@ def packed_engine(tiny_factory, request):
     return Engine.from_pretrained(str(folder), dtype=request.param, max_context=512, tree="2.2.2")
 
 
-def test_every_method_gives_plain_decodings_tokens_on_every_tier(packed_engine, cpu_tier):
+@pytest.fixture(params=CPU_TIERS)
+def every_tier(request):
+    """Each tier this machine runs, every one (conftest's cpu_tier leaves out a duplicate): its kernels behind the
+    ops for the test, then the tier before."""
+    before = cpu.active()
+    cpu.use(request.param)
+    yield request.param
+    if before:
+        cpu.use(before)
+
+
+def test_every_method_gives_plain_decodings_tokens_on_every_tier(packed_engine, every_tier):
     """Row independence end to end, per tier: each tier's verify rows are its decode steps' bits, so TR (the paper's
     static tree), hybrid and prompt lookup commit exactly what plain decoding commits on that tier, greedy and
     sampled with a seed. (Tiers may differ from each other in the last bits; a method never differs from plain.)"""
@@ -216,6 +227,6 @@ def test_every_method_gives_plain_decodings_tokens_on_every_tier(packed_engine, 
             plain = engine.generate(prompt, 40, method="ar", chat_template=False, **sampling)
             for method in ("tr", "hybrid", "pld"):
                 got = engine.generate(prompt, 40, method=method, chat_template=False, **sampling)
-                assert got.token_ids == plain.token_ids, (cpu_tier, method, i, sampling)
+                assert got.token_ids == plain.token_ids, (every_tier, method, i, sampling)
                 drafted += max(got.generation.accept_lengths, default=1) > 1
     assert drafted >= 6  # drafts were accepted: the verify path ran, not only plain steps
