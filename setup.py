@@ -6,7 +6,8 @@ already installed:
     pip install --no-build-isolation -e .
 
 `make install` builds in place instead (`python setup.py build_ext --inplace -j N`: the libraries side by side,
-objects kept under build/, so a changed kernel recompiles alone), then installs the package editable with TR_ENGINE_PREBUILT=1, which skips the extensions
+objects kept under build/, so a changed kernel recompiles alone), then installs the package editable with
+TR_ENGINE_PREBUILT=1, which skips the extensions
 (already in the source tree). bench/gpu_check.py builds the same way on a bare GPU machine.
 
 Nothing is compiled for the building machine's own CPU: _C for the architecture's baseline, each tier for its

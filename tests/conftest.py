@@ -124,7 +124,7 @@ def smollm2(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def smollm2_default(smollm2_dir):
-    """SmolLM2 as the commands load it by default (dtype "auto": bfloat16 on a CPU)."""
+    """SmolLM2 as the commands load it by default (dtype "auto": float16 on a CPU)."""
     from tr_engine.engine import Engine
 
     return Engine.from_pretrained(str(smollm2_dir), max_context=1024)

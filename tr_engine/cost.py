@@ -131,10 +131,10 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
                 break
         n += 1
         timed = n - (1 if warm_up else 0)
-        elapsed = time.perf_counter() - start if start is not None else 0.0
-        if budget_s is not None and timed >= 1 and elapsed >= budget_s:
+        spent = time.perf_counter() - start if start is not None else 0.0  # by the timed passes
+        if budget_s is not None and timed >= 1 and spent >= budget_s:
             break
-        if timed >= reps and (floor_s is None or elapsed >= floor_s or timed >= MAX_PASSES):
+        if timed >= reps and (floor_s is None or spent >= floor_s or timed >= MAX_PASSES):
             break
     if samples is not None:
         samples.update({T: times[T] for T in kept}, before=before, after=plain_steps())
