@@ -1,9 +1,10 @@
 """Each custom op against its pure-PyTorch reference and the stock-PyTorch way of doing the same thing, side by side
 in one run, at a model's shapes (SmolLM2 by default; Vicuna-7B; tiny for a rehearsal), on the CPU or a GPU. Medians
 of repeated calls, timed in alternation; on a GPU every call is synchronised before the clock is read. Ratios are
-what to read (machines are noisy). Writes kernels_<device>[_<shape>].{json,md}.
+what to read (machines are noisy). Writes kernels_<device>[_<shape>][_<tier>].{json,md} (the CPU tier named when it is
+not the best this CPU runs: `--tier avx2` on an AVX-512 machine gives kernels_cpu_avx2).
 
-    python -m bench.kernels [--device cpu|cuda] [--shape smollm2|vicuna-7b|tiny] [--threads 2] [--reps 30]
+    python -m bench.kernels [--device cpu|cuda] [--shape smollm2|vicuna-7b|tiny] [--tier avx2] [--threads 2] [--reps 30]
 """
 
 import itertools
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from bench.machine import copy_bandwidth, machine_info, machine_line
 from bench.shapes import SHAPES, projections
-from tr_engine import reference
+from tr_engine import cpu, reference
 from tr_engine.cli import ArgumentParser, run
 from tr_engine.cli_args import integer
 from tr_engine.ops import load_ops
@@ -196,8 +197,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=integer(1), default=2)
     ap.add_argument("--reps", type=integer(1), default=30)
     ap.add_argument("--only", nargs="+", metavar="OP", help="benchmark only these ops (e.g. tree_attention)")
+    ap.add_argument("--tier", choices=cpu.NAMES, default=None,
+                    help="the CPU kernel tier to measure (default: TR_ENGINE_CPU's, else the best this CPU runs)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
+    tier = cpu.use(args.tier) if args.device == "cpu" else None
     if args.device == "cuda" and not torch.cuda.is_available():
         from tr_engine.errors import UserError
 
@@ -231,6 +235,8 @@ def main(argv=None) -> int:
               "stream from memory as in a decode step or a verify: the case that matters. On a CPU the engine uses "
               "packed_linear for every dtype and row count; on a GPU, F.linear."]
     stem = "kernels_cpu" if args.device == "cpu" and args.shape == "smollm2" else f"kernels_{args.device}_{args.shape}"
+    if tier is not None and tier != cpu.runnable()[0].name:
+        stem += f"_{tier}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     (args.out / f"{stem}.json").write_text(json.dumps({"machine": info, "shape": args.shape, "rows": rows},

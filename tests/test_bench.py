@@ -87,15 +87,21 @@ def test_specbench_sampling_uses_one_seed_per_turn_for_every_method(tiny_factory
 
 
 def test_kernels_bench_at_the_tiny_shape(tmp_path):
-    """bench.kernels with a shape and device: every op's row, with the file named after the shape."""
-    proc = run_module("bench.kernels", "--shape", "tiny", "--reps", "1", "--threads", "1", "--out", str(tmp_path))
+    """bench.kernels with a shape and a CPU tier below this machine's best: every op's row, on that tier, with the
+    file named after the shape and the tier."""
+    from tr_engine import cpu
+
+    proc = run_module("bench.kernels", "--shape", "tiny", "--tier", "scalar", "--reps", "1", "--threads", "1", "--out",
+                      str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    rows = json.loads((tmp_path / "kernels_cpu_tiny.json").read_text())["rows"]
+    stem = "kernels_cpu_tiny" + ("" if cpu.runnable()[0].name == "scalar" else "_scalar")
+    assert "kernel tier scalar" in (tmp_path / f"{stem}.md").read_text()
+    rows = json.loads((tmp_path / f"{stem}.json").read_text())["rows"]
     assert {r["op"] for r in rows} == {"tree_attention", "recycle_update_", "compact_kv_", "skinny_linear",
                                        "packed_linear"}
     assert all(r["ours_ms"] > 0 and r["stock_ms"] > 0 and r["reference_ms"] > 0 for r in rows)
     assert all(r["gb_s"] == pytest.approx(r["bytes"] / r["ours_ms"] / 1e6) and r["of_peak"] > 0 for r in rows)
-    assert "(tiny shapes)" in (tmp_path / "kernels_cpu_tiny.md").read_text()
+    assert "(tiny shapes)" in (tmp_path / f"{stem}.md").read_text()
 
 
 def test_kernels_bench_takes_its_shapes_from_a_model(tiny_factory, tmp_path):
