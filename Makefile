@@ -45,7 +45,7 @@ $(VENV)/.cross: | $(VENV)/.deps
 	fi
 	touch $@
 
-# The op library tr_engine._C, built in place (objects kept under build/, so a changed source recompiles alone), then
+# The op library tr_engine._C, built in place (objects kept under build/, so a change recompiles what it touches), then
 # the package installed editable around it; rebuilt when a C++/CUDA source changes.
 $(VENV)/.built: $(VENV)/.deps $(CSRC)
 	$(PY) setup.py -q build_ext --inplace -j $$(nproc)
