@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from curves import CPU_LIKE, FREE, LINEAR, curve
 from tr_engine.adaptive import DEPTHS, EDGES, AdaptiveTrees, ChainStats, ConfidenceStats, confidence_bin
 from tr_engine.cost import BUCKETS, PREFIXES, CostModel, cost_key, cost_path
 from tr_engine.decode import plain_generate
@@ -16,17 +17,6 @@ from tr_engine.matrix import RecyclingMatrix
 from tr_engine.speculative import speculative_generate
 from tr_engine.tree import build_tree, graft_chain, load_tree
 from tr_engine.weights import load_model
-
-
-def curve(fn) -> CostModel:
-    """A hand-made cost curve: fn(T) plain steps for a T-token verify, at every prefix."""
-    rel = [round(fn(T), 4) for T in BUCKETS]
-    return CostModel(BUCKETS, PREFIXES, [rel, rel], [1.0, 1.0], {})
-
-
-FREE = curve(lambda T: 1.0)  # a GPU with compute to spare: any tree costs one plain step
-LINEAR = curve(lambda T: float(T))  # every token costs a plain step: nothing can pay
-CPU_LIKE = curve(lambda T: 1.0 if T <= 2 else 1.0 + 0.08 * T)  # this machine's fp32 shape, roughly
 
 
 @pytest.fixture(scope="module")
@@ -334,13 +324,15 @@ def test_a_noisy_or_inverted_measurement_is_measured_again_and_not_cached(tiny, 
     def seconds(T, call):
         if spell == "busy":  # each prefix's measurement gets 4x slower halfway through
             return 0.002 if call < 40 else 0.008
-        return {4: 0.03}.get(T, 0.002)
+        return {4: 0.012}.get(T, 0.002)  # (~5 plain steps: timed, well under MAX_RELATIVE's 12 however busy)
 
     tiny.set_max_positions(200)
     timed = Timed(tiny, seconds)
-    cm = CostModel.measure(timed, KVCache(tiny.config, 200, torch.float64, "cpu"), {})
+    fractions = []
+    cm = CostModel.measure(timed, KVCache(tiny.config, 200, torch.float64, "cpu"), {}, progress=fractions.append)
     assert cm.doubt is not None and ("took" in cm.doubt if spell == "busy" else "5-token" in cm.doubt), cm.doubt
     assert timed.calls.count(104) == 4  # each prefix prefilled twice: a second try
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0  # the notice climbs on through the second try
     # Through the engine: the doubtful curve serves, the notice says why, and nothing is cached.
     monkeypatch.setenv("TR_ENGINE_HOME", str(tmp_path))
     monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *a, **k: cm))
@@ -391,6 +383,27 @@ def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, t
     engine.save_matrix(tmp_path / "m.pt")  # the matrix travels with its confidences (the adaptive tree reads them)
     again.load_matrix(tmp_path / "m.pt")
     assert engine.matrix.confidence.any() and torch.equal(again.matrix.confidence, engine.matrix.confidence)
+
+
+def test_an_engine_given_a_curve_prices_its_trees_by_it_and_measures_nothing(tiny_factory, tmp_path, monkeypatch):
+    from tr_engine.engine import Engine
+    from tr_engine.errors import InvalidType
+
+    def no_measuring(*a, **k):
+        raise AssertionError("a curve was given: nothing to measure")
+
+    monkeypatch.setenv("TR_ENGINE_HOME", str(tmp_path))
+    monkeypatch.setattr(CostModel, "measure", no_measuring)
+    folder = tiny_factory("spec", dtype=torch.float64, vocab_size=300, std=0.5)
+    engine = Engine.from_pretrained(str(folder), dtype="float64", max_context=512)
+    engine.use_cost(FREE)  # any tree costs one plain step: the biggest pay
+    prompt = "the the the cat sat on the mat and the cat sat on the mat"
+    ar = engine.generate(prompt, 40, method="ar")
+    got = engine.generate(prompt, 40, method="hybrid")
+    assert got.token_ids == ar.token_ids and engine.cost_model() is FREE and not (tmp_path / "costs").exists()
+    assert max(got.generation.verify_tokens) > 16  # priced as free: trees a CPU-measured curve would not pay for
+    with pytest.raises(InvalidType, match="CostModel"):
+        engine.use_cost("flat")
 
 
 @pytest.mark.parametrize("kind", ["tr", "hybrid"])

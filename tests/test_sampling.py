@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from curves import CPU_LIKE, FREE
 from tr_engine import speculative
 from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.decode import plain_generate, prefill
@@ -23,7 +24,6 @@ from tr_engine.sampling import Sampler, Sampling, greedy, gumbel_noise, probabil
 from tr_engine.speculative import speculative_generate
 from tr_engine.tree import load_tree
 from tr_engine.weights import load_model
-from test_adaptive import CPU_LIKE, FREE
 
 SMALL_VOCAB = 16
 

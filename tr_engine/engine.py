@@ -190,6 +190,14 @@ class Engine:
         self._cost = cost = shard.from_rank0(cost)
         return cost
 
+    def use_cost(self, cost: CostModel) -> None:
+        """Price this engine's adaptive trees by `cost` from now on, instead of the curve measured on this machine: a
+        curve measured elsewhere (CostModel.load), or a synthetic one (CostModel.flat) for an experiment or a test that
+        is not about the curve. `cost_model(recalibrate=True)` measures this machine's again."""
+        if not isinstance(cost, CostModel):
+            raise InvalidType(f"cost must be a CostModel, got {type(cost).__name__}")
+        self._cost = cost
+
     @classmethod
     def from_pretrained(
         cls,
