@@ -8,9 +8,18 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from curves import pinned
 from weights_tools.tiny_llama import write_tiny_llama
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# `make test` runs one test worker per CPU (pytest-xdist): each worker, and each command it starts (OMP_NUM_THREADS),
+# runs on its share of the CPUs, so that two workers never fight over a core. The kernel tests run on two threads
+# whatever the share (cpu_tier), so that an op's work split between threads is always exercised.
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = min(2, max(1, CPUS // WORKERS))
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+torch.set_num_threads(THREADS)
 # Started in the background of a shell without job control, this process inherits SIGINT ignored, and Python then
 # never raises KeyboardInterrupt (nor do the commands the tests start): the Ctrl-C tests need the normal handler.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
@@ -32,11 +41,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def private_home(tmp_path_factory):
-    """The tests' own $TR_ENGINE_HOME (cost curves, matrices), still finding models in the real one."""
+    """The tests' own $TR_ENGINE_HOME (cost curves, matrices), still finding models in the real one. The workers of
+    one run share its cost curves: each curve measured once, not once a worker (~15 s for the default model)."""
     from tr_engine.models import home
 
     os.environ.setdefault("TR_ENGINE_MODELS", str(home() / "models"))
-    os.environ["TR_ENGINE_HOME"] = str(tmp_path_factory.mktemp("home"))
+    private = tmp_path_factory.mktemp("home")
+    if WORKERS > 1:  # (a worker's base folder is in the run's, beside the other workers')
+        shared = tmp_path_factory.getbasetemp().parent / "costs"
+        shared.mkdir(exist_ok=True)
+        (private / "costs").symlink_to(shared, target_is_directory=True)
+    os.environ["TR_ENGINE_HOME"] = str(private)
 
 
 def runnable_cpu_tiers() -> list[str]:
@@ -60,13 +75,15 @@ KERNEL_TEST_TIERS = [t for t in CPU_TIERS if not (t == "avx512" and "avx512bf16"
 @pytest.fixture(params=KERNEL_TEST_TIERS)
 def cpu_tier(request):
     """Runs a test once per CPU tier in KERNEL_TEST_TIERS (every tier this machine can run but a duplicate), with that
-    tier's kernels behind every CPU op (then the tier before). A module opts in whole with
+    tier's kernels behind every CPU op (then the tier before), on at least two threads. A module opts in whole with
     `pytestmark = pytest.mark.usefixtures("cpu_tier")`."""
     from tr_engine import cpu
 
-    before = cpu.active()
+    before, threads = cpu.active(), torch.get_num_threads()
     cpu.use(request.param)
+    torch.set_num_threads(max(2, threads))
     yield request.param
+    torch.set_num_threads(threads)
     if before:
         cpu.use(before)
 
@@ -119,7 +136,7 @@ def smollm2_hf(smollm2_dir):
 def smollm2(smollm2_dir):
     from tr_engine.engine import Engine
 
-    return Engine.from_pretrained(str(smollm2_dir), dtype="float32", max_context=1024)
+    return pinned(Engine.from_pretrained(str(smollm2_dir), dtype="float32", max_context=1024))
 
 
 @pytest.fixture(scope="session")
@@ -155,4 +172,4 @@ def smollm2_dev_answers(smollm2) -> list[DevAnswer]:
 def smollm2_half(smollm2_dir, request):
     from tr_engine.engine import Engine
 
-    return Engine.from_pretrained(str(smollm2_dir), dtype=request.param, max_context=1024)
+    return pinned(Engine.from_pretrained(str(smollm2_dir), dtype=request.param, max_context=1024))

@@ -4,6 +4,7 @@ rides with it, whenever it joins, and whichever slot it lands in; the ragged att
 import pytest
 import torch
 
+from curves import pinned
 from tr_engine import reference
 from tr_engine.engine import Engine
 from tr_engine.errors import InvalidType
@@ -152,7 +153,7 @@ def test_smollm2_a_batch_of_8_dev_questions_is_plain_decoding_alone(smollm2_dir,
     rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "dev_subset.jsonl").read_text().splitlines()]
     prompts = [r["turns"][0] for r in rows] + [rows[0]["turns"][0], rows[3]["turns"][0]]
     TOKENS = 16  # several verify steps per request, each with 4 sequences in it
-    engine = Engine.from_pretrained(str(smollm2_dir), dtype=dtype, max_context=1024, max_batch=4)
+    engine = pinned(Engine.from_pretrained(str(smollm2_dir), dtype=dtype, max_context=1024, max_batch=4))
     if dtype == "float32":  # the session's plain fp32 answers (conftest.py), cut to 16 tokens: greedy, the same
         answers = [a.ids[:TOKENS] for a in request.getfixturevalue("smollm2_dev_answers")]
         assert [a.prompt for a in request.getfixturevalue("smollm2_dev_answers")] == prompts[:6]

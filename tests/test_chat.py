@@ -1,6 +1,7 @@
 """The chat: the real CLI in a subprocess (piped turns, a pseudo-terminal with Ctrl-C, /stats, the matrix saved on
 exit and loaded at start, one-line errors), and the conversation API under it (KV reuse, equality with generate)."""
 
+import json
 import os
 import pty
 import re
@@ -139,9 +140,14 @@ def test_matrix_is_saved_on_exit_and_loaded_at_start(tmp_path, smollm2_dir):
     env = {**os.environ, "TR_ENGINE_HOME": str(tmp_path)}
     prompt = "Explain in two sentences how rain forms."
 
+    # A static tree, so that MAT moves with the matrix alone (the adaptive default verifies a few tokens a step on
+    # this CPU): two candidates at each of 6 depths, the top-ranked of each pair the parent of the next (the paper's
+    # 81 nodes cost several plain steps a verify here, most of the test's time, and test nothing more).
+    tree = tmp_path / "deep.json"
+    tree.write_text(json.dumps([[0] * d + [last] for d in range(6) for last in (0, 1)]))
+
     def mat():
-        # The paper's static tree: on this CPU the adaptive default verifies a few tokens a step, so MAT moves less.
-        proc = run_chat("--model", str(smollm2_dir), "--prompt", prompt, "--max-new-tokens", "48", "--tree", "2.2.2",
+        proc = run_chat("--model", str(smollm2_dir), "--prompt", prompt, "--max-new-tokens", "48", "--tree", str(tree),
                         env=env)
         assert proc.returncode == 0, proc.stderr
         return float(re.search(r"MAT (\d+\.\d+)", proc.stderr).group(1))

@@ -61,12 +61,13 @@ def batch_args(device):
     return [q, k, v, [2, 0], [5, 0], [0, 3, 5], masks.to(device), 0.35]
 
 
-def layer_args(device, L=2, E=32, Hq=4, Hkv=2, D=8, F=24):
-    """L layers of packed random weights; two sequences of 3 and 2 rows in slots 2 and 0 (batch_args' shapes)."""
+def layer_args(device, L=2, E=32, Hq=4, Hkv=2, D=8, F=24, dtype=torch.float32):
+    """L layers of packed random weights (in `dtype`, the rest float32); two sequences of 3 and 2 rows in slots 2
+    and 0 (batch_args' shapes)."""
     g = torch.Generator().manual_seed(4)
     weights = []
     for _ in range(L):
-        packed = [reference.pack_linear(torch.randn(n, k, generator=g) / k**0.5)
+        packed = [reference.pack_linear((torch.randn(n, k, generator=g) / k**0.5).to(dtype))
                   for n, k in (((Hq + 2 * Hkv) * D, E), (E, Hq * D), (2 * F, E), (E, F))]
         weights += [torch.ones(E), packed[0], packed[1], torch.ones(E), packed[2], packed[3]]
     cos, sin = torch.randn(5, D, generator=g), torch.randn(5, D, generator=g)
@@ -113,6 +114,42 @@ def test_the_kernel_agrees_with_its_reference(name, device, cpu_tier):
 @pytest.mark.parametrize("name,device", op_device_cases())
 def test_opcheck(name, device, cpu_tier):
     torch.library.opcheck(getattr(torch.ops.tr_engine, name), tuple(VALID[name](device)))
+
+
+def threaded_args(name, dtype):
+    """Arguments in `dtype` whose work every thread gets a share of: several 32-row blocks of a weight, several
+    heads, rows and layers."""
+    if name == "packed_linear":
+        return [rows("cpu", 13, 96).to(dtype), reference.pack_linear(weights("cpu", 300, 96).to(dtype)), 300]
+    if name == "skinny_linear":
+        return [rows("cpu", 5, 96).to(dtype), weights("cpu", 300, 96).to(dtype)]
+    if name == "argmax_rows":  # (float32 or float64 logits)
+        return [torch.randn(7, 5000, generator=torch.Generator().manual_seed(5), dtype=torch.float64)]
+    if name == "decoder_layers":
+        args = layer_args("cpu", E=64, Hq=8, Hkv=4, F=96, dtype=dtype)
+        args[1] = [w.to(dtype) for w in args[1]]
+    else:
+        args = {"tree_attention": tree_args, "tree_attention_batch": batch_args}[name]("cpu")
+    return [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["packed_linear", "skinny_linear", "tree_attention", "tree_attention_batch",
+                                  "decoder_layers", "argmax_rows"])
+def test_the_thread_count_splits_the_work_never_a_sum(name, dtype, cpu_tier):
+    """Threads share out whole outputs (a weight's blocks, attention's heads and rows), each computed by one thread
+    in one order: 1, 2 and 3 threads give the same bits, so `--threads` (or a test worker's one thread) changes no
+    token."""
+    args = threaded_args(name, dtype)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(getattr(kernels, name)(*args))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
 def replace(i, value):

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from curves import pinned
 from tr_engine.config import LlamaConfig
 from tr_engine.parallel import Shard, local_config
 
@@ -141,7 +142,9 @@ def methods_worker(rank: int, world: int, port: int, folder: str, out: str) -> N
     gathered = spy_on_gathers()
     results = {}
     for dtype in ("float32", "bfloat16"):
-        engine = Engine.from_pretrained(folder, dtype=dtype, tp=world, max_context=256)
+        # (its adaptive trees priced by a pinned curve, corrected by the ranks' agreed step times as they run: the
+        # ranks' joint measurement is the torchrun commands' below, and on two busy workers it is measured again)
+        engine = pinned(Engine.from_pretrained(folder, dtype=dtype, tp=world, max_context=256))
         for p in PROMPTS:
             results[dtype, p, "ar"] = engine.generate(p, 40, method="ar").token_ids
             for method in METHODS:
