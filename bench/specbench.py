@@ -83,6 +83,9 @@ def humaneval_questions() -> list[dict]:
 def load_questions(path: Path, limit: int | None, categories: list[str] | None, per_group: int | None = None) -> list[dict]:
     if str(path) == "humaneval":
         rows = humaneval_questions()
+    elif not Path(path).is_file():  # (the default: Spec-Bench's dev split in the shared/ folder beside the checkout)
+        raise UserError(f"questions file {path} does not exist: the benchmarks read Spec-Bench's dev split from the "
+                        f"shared/ folder beside the checkout, or a file given with --questions where they take one")
     else:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if categories:

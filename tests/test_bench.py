@@ -325,3 +325,11 @@ def test_step_profile_breaks_both_paths_down_on_a_tiny_model(tiny_factory, tmp_p
     assert set(got["host"]) == {"module path (before)", "fused layers (after)"}
     text = (tmp_path / "step_profile.md").read_text()
     assert text.count("| plain step |") == 2 and text.count("| 8-token verify |") == 2
+
+
+def test_a_missing_questions_file_is_a_user_error_not_an_internal_one(tmp_path):
+    from bench.specbench import load_questions
+    from tr_engine.errors import UserError
+
+    with pytest.raises(UserError, match="none.jsonl does not exist"):
+        load_questions(tmp_path / "none.jsonl", None, None)
