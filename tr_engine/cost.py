@@ -205,16 +205,17 @@ class CostModel:
         prefixes = tuple(min(p, cache.capacity - sizes[-1]) for p in PREFIXES)
         # progress: forwards done over those planned (sizes past MAX_RELATIVE drop out, so it may jump ahead); a
         # second try goes on from where the first left it, over about as many forwards as the first took
-        done, reported = [0], [0.0]
-        span = [0, 0.0, len(sizes) * (1 + 2 * reps) + 12]  # this try's first forward, the fraction then, its plan
-        # (a warm-up pass, the timed ones, three plain steps 4 times)
+        done, reported = 0, 0.0
+        # this try's first forward, the fraction reported then, and the forwards it plans (the first try: a warm-up
+        # pass, the timed ones, three plain steps 4 times)
+        first, at_first, planned = 0, 0.0, len(sizes) * (1 + 2 * reps) + 12
 
         def on_step():
-            done[0] += 1
-            first, start, planned = span
-            reported[0] = min(start + (1.0 - start) * (done[0] - first) / planned, 1.0)
+            nonlocal done, reported
+            done += 1
+            reported = min(at_first + (1.0 - at_first) * (done - first) / planned, 1.0)
             if progress is not None:
-                progress(reported[0])
+                progress(reported)
 
         start = time.perf_counter()
         for attempt in range(2):
@@ -229,7 +230,7 @@ class CostModel:
                 plain.append(s[1])
             if doubt is None or time.perf_counter() - start > MEASURE_CEILING_S / 2:
                 break
-            span[:] = [done[0], reported[0], done[0]]  # the second try's forwards, about the first's
+            first, at_first, planned = done, reported, done  # the second try's forwards, about the first's
         if progress is not None:
             progress(1.0)
         return cls(sizes, prefixes, relative, plain, key, doubt)
