@@ -47,28 +47,40 @@ inline float exp2_nonpositive(float x) {
 }
 inline double exp2_nonpositive(double x) { return std::exp2(x); }
 
-// s[r, j] = sum_d q[r, d] * kt[d, j] for r < R and the W keys j0..j0+W-1. q [R, D]; kt [D, ldk] holds the keys
-// transposed, so the innermost loop runs along keys: one broadcast of q[r, d] times a vector of keys.
+// Keys transposed, so that a score tile's innermost loop runs along keys (one broadcast of q[r, d] times a vector of
+// keys), in groups of kKeyPad keys: dim d of key j at kt[(j / kKeyPad) * group + d * dim + j % kKeyPad]. A prefix's
+// keys are stored group by group (group = D * kKeyPad, dim = kKeyPad), so a tile reads each group's D x kKeyPad block
+// in one sequential run; a tree's few keys as plain [D, ld] rows (group = kKeyPad, dim = ld).
+struct KeyLayout {
+  int64_t group, dim;
+};
+
+// s[r, j] = sum_d q[r, d] * k[d, j] for r < R and the W keys j0..j0+W-1 (j0 and W multiples of kKeyPad). q [R, D].
+// (Prefix keys as [D, ld] rows, a tile read D lines ~1 KB apart per group of keys, each asked for one multiply-add
+// before it was used: on the AVX2 tier the score tiles of an 8-token fp32 verify ran at a fifth of the FMA peak.)
 template <typename Acc, int64_t R, int64_t W>
-void scores_chunk(const Acc* q, int64_t D, const Acc* kt, int64_t ldk, int64_t j0, Acc* s, int64_t lds) {
+void scores_chunk(const Acc* q, int64_t D, const Acc* kt, KeyLayout at, int64_t j0, Acc* s, int64_t lds) {
+  constexpr int64_t G = W / kKeyPad;  // groups of keys
+  static_assert(W % kKeyPad == 0, "a chunk covers whole groups of keys");
   Acc acc[R][W] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    const Acc* k = kt + d * ldk + j0;
-    for (int64_t r = 0; r < R; ++r) {
-      const Acc qv = q[r * D + d];
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t g = 0; g < G; ++g) {
+      const Acc* k = kt + (j0 / kKeyPad + g) * at.group + d * at.dim;
+      for (int64_t r = 0; r < R; ++r) {
+        const Acc qv = q[r * D + d];
 #pragma omp simd
-      for (int64_t j = 0; j < W; ++j) acc[r][j] = fmadd(qv, k[j], acc[r][j]);
+        for (int64_t j = 0; j < kKeyPad; ++j) acc[r][g * kKeyPad + j] = fmadd(qv, k[j], acc[r][g * kKeyPad + j]);
+      }
     }
-  }
   for (int64_t r = 0; r < R; ++r) std::copy(acc[r], acc[r] + W, s + r * lds + j0);
 }
 
 // All n keys (a multiple of kKeyPad): wide chunks, then narrow ones for the rest.
 template <typename Acc, int64_t R>
-void scores_tile(const Acc* q, int64_t D, const Acc* kt, int64_t ldk, int64_t n, Acc* s, int64_t lds) {
+void scores_tile(const Acc* q, int64_t D, const Acc* kt, KeyLayout at, int64_t n, Acc* s, int64_t lds) {
   int64_t j0 = 0;
-  for (; j0 + kCols <= n; j0 += kCols) scores_chunk<Acc, R, kCols>(q, D, kt, ldk, j0, s, lds);
-  for (; j0 < n; j0 += kKeyPad) scores_chunk<Acc, R, kKeyPad>(q, D, kt, ldk, j0, s, lds);
+  for (; j0 + kCols <= n; j0 += kCols) scores_chunk<Acc, R, kCols>(q, D, kt, at, j0, s, lds);
+  for (; j0 < n; j0 += kKeyPad) scores_chunk<Acc, R, kKeyPad>(q, D, kt, at, j0, s, lds);
 }
 
 
@@ -167,19 +179,19 @@ T* reused(int64_t n, int slot) {
   return buffers[slot].get();
 }
 
-// One KV head's keys in Acc, laid out for the score tiles: prefix keys transposed ([D, ld]; the padding keys' scores
-// are computed and dropped) and tree keys as rows ([T, D]). Values need no layout change: the tiles read them from
+// One KV head's keys in Acc, laid out for the score tiles: prefix keys transposed in groups of kKeyPad (KeyLayout;
+// ld slots, the padding keys' scores computed and dropped) and tree keys as rows ([T, D]). Values need no layout change: the tiles read them from
 // the cache where they are. Either the whole prefix (ld = P rounded up to kKeyPad), converted once for all the tasks
 // of a head into a reused buffer, or a window of one block of it (ld = kKeyBlock, from slot `base`), converted by a
 // head's only task just before it scores the block: a decode step's keys are then read once from the cache and used
 // while in cache, where a whole head's copy (P x D floats, 16 MB a layer for a 7B model at P = 1024) would go out to
 // memory and back. The values are the same either way (bf16 -> float is exact), so are the scores.
-// bf16 keys (with AVX-512) are transposed without converting them: `pairs` holds the prefix keys as [D/2, ld] 32-bit
-// words, word (i, j) the bf16 values of dims 2i and 2i + 1 of key j side by side, and the score tiles widen them to
-// floats in registers (scores_chunk_pairs). A 16 x 16 transpose then moves 32 dims, not 16, and writes half the bytes;
-// the floats the tiles multiply, and so the scores, are the same bits. Measured alone on SmolLM2's shape (9 query
-// and 3 KV heads of 64), alternating in one process: a decode step's attention 19-27% faster (2 threads, prefix 256
-// and 1024), an 8-token verify's 15-19%.
+// bf16 keys (with AVX-512) are transposed without converting them: `pairs` holds the prefix keys as D/2 32-bit words
+// per key (in the same groups), word (i, j) the bf16 values of dims 2i and 2i + 1 of key j side by side, and the
+// score tiles widen them to floats in registers (scores_chunk_pairs). A 16 x 16 transpose then moves 32 dims, not 16,
+// and writes half the bytes; the floats the tiles multiply, and so the scores, are the same bits. Measured alone on
+// SmolLM2's shape (9 query and 3 KV heads of 64), alternating in one process: a decode step's attention 19-27% faster
+// (2 threads, prefix 256 and 1024), an 8-token verify's 15-19%.
 template <typename Acc>
 struct HeadKeys {
   int64_t D, P, ld, T;
@@ -188,31 +200,45 @@ struct HeadKeys {
   Acc* data;  // D * ld + T * D elements, uninitialised: fill_keys writes every element that is read
   Acc* kt() { return data; }
   Acc* ktree() { return kt() + D * ld; }
-  const Acc* prefix(int64_t j) { return kt() + (j - base); }  // the column of prefix slot j (not for pairs)
+  // The prefix keys' layout (KeyLayout: groups of kKeyPad keys, each group's dims in turn), pairs or not.
+  KeyLayout layout() const { return {(pairs ? D / 2 : D) * kKeyPad, kKeyPad}; }
+  // Where dim (or pair) c of prefix slot j is (j from base on, base a multiple of kKeyPad).
+  Acc* at(int64_t c, int64_t j) {
+    const int64_t i = j - base;
+    return kt() + i / kKeyPad * layout().group + c * kKeyPad + i % kKeyPad;
+  }
+  // The keys from prefix slot j on (j - base a multiple of kKeyPad), as scores_chunk reads them.
+  const Acc* prefix(int64_t j) { return kt() + (j - base) / kKeyPad * layout().group; }
   HeadKeys(int64_t D, int64_t P, int64_t T, int64_t ld, Acc* data, bool pairs)
       : D(D), P(P), ld(ld), T(T), pairs(pairs), data(data) {}
   static int64_t size(int64_t D, int64_t T, int64_t ld) { return D * ld + T * D; }
 };
 
-// s[r, j0 + j] for the W keys from j0, keys as bf16 pairs ([D/2, ldk] words): the multiply-adds of scores_chunk in
-// the same order (dim 0, 1, 2, ... into one accumulator per score), each pair widened to two float vectors (a shift
-// for the even dim, a mask for the odd one: exact). q [R, D] floats, D even.
+// s[r, j0 + j] for the W keys from j0, keys as bf16 pairs (words, in KeyLayout's groups: pair c of key j is dims 2c
+// and 2c + 1): the multiply-adds of scores_chunk in the same order (dim 0, 1, 2, ... into one accumulator per score),
+// each pair widened to two float vectors (a shift for the even dim, a mask for the odd one: exact). q [R, D] floats,
+// D even.
 template <int64_t R, int64_t W>
-void scores_chunk_pairs(const float* q, int64_t D, const float* kp, int64_t ldk, int64_t j0, float* s,
+void scores_chunk_pairs(const float* q, int64_t D, const float* kp, KeyLayout at, int64_t j0, float* s,
                         int64_t lds) {
   constexpr int64_t NV = W / kLanes;
+  static_assert(W % kKeyPad == 0 && kKeyPad % kLanes == 0, "a chunk covers whole groups of keys, in vectors");
+  // Vector i of the chunk: keys j0 + i kLanes.., in group (j0 + i kLanes) / kKeyPad.
+  const auto words = [&](int64_t c, int64_t i) {
+    const int64_t j = j0 + kLanes * i;
+    return load_words(kp + j / kKeyPad * at.group + c * at.dim + j % kKeyPad);
+  };
   Vec acc[R][NV];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = 0; i < NV; ++i) acc[r][i] = zero();
   for (int64_t c = 0; c < D / 2; ++c) {
-    const float* k = kp + c * ldk + j0;
     Vec kv[NV];
-    for (int64_t i = 0; i < NV; ++i) kv[i] = even(load_words(k + kLanes * i));  // dim 2c: the low halves
+    for (int64_t i = 0; i < NV; ++i) kv[i] = even(words(c, i));  // dim 2c: the low halves
     for (int64_t r = 0; r < R; ++r) {
       const Vec qv = broadcast(q[r * D + 2 * c]);
       for (int64_t i = 0; i < NV; ++i) acc[r][i] = mul_add(qv, kv[i], acc[r][i]);
     }
-    for (int64_t i = 0; i < NV; ++i) kv[i] = odd(load_words(k + kLanes * i));  // dim 2c + 1: the high halves
+    for (int64_t i = 0; i < NV; ++i) kv[i] = odd(words(c, i));  // dim 2c + 1: the high halves
     for (int64_t r = 0; r < R; ++r) {
       const Vec qv = broadcast(q[r * D + 2 * c + 1]);
       for (int64_t i = 0; i < NV; ++i) acc[r][i] = mul_add(qv, kv[i], acc[r][i]);
@@ -233,13 +259,13 @@ template <typename Acc, int64_t R>
 void prefix_scores(const Acc* q, HeadKeys<Acc>& b, int64_t j, int64_t n, Acc* s, int64_t lds) {
   if constexpr (std::is_same_v<Acc, float>)
     if (b.pairs) {
-      const float* kp = b.kt() + (j - b.base);
+      const float* kp = b.prefix(j);
       int64_t j0 = 0;
-      for (; j0 + kCols <= n; j0 += kCols) scores_chunk_pairs<R, kCols>(q, b.D, kp, b.ld, j0, s, lds);
-      for (; j0 < n; j0 += kKeyPad) scores_chunk_pairs<R, kKeyPad>(q, b.D, kp, b.ld, j0, s, lds);
+      for (; j0 + kCols <= n; j0 += kCols) scores_chunk_pairs<R, kCols>(q, b.D, kp, b.layout(), j0, s, lds);
+      for (; j0 < n; j0 += kKeyPad) scores_chunk_pairs<R, kKeyPad>(q, b.D, kp, b.layout(), j0, s, lds);
       return;
     }
-  scores_tile<Acc, R>(q, b.D, b.prefix(j), b.ld, n, s, lds);
+  scores_tile<Acc, R>(q, b.D, b.prefix(j), b.layout(), n, s, lds);
 }
 
 // Convert the keys of cache slots j0..j1-1 of one head (k points at slot 0; slot_stride elements between slots); the
@@ -254,21 +280,19 @@ void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t
   if constexpr (std::is_same_v<scalar_t, bf16> && std::is_same_v<Acc, float>)
     if (b.pairs) {  // words, copied bit for bit (memcpy: the buffer holds floats at other times)
       const int64_t half = D / 2;
-      float* kp = b.kt();
       for (; jb + kLanes <= prefix_end; jb += kLanes) {
         int64_t c = 0;
         for (; c + kLanes <= half; c += kLanes) {
           Vec rows[kLanes];
           for (int i = 0; i < kLanes; ++i) rows[i] = load_words(k + (jb + i) * slot_stride + 2 * c);
-          transpose(rows, kp + c * b.ld + (jb - b.base), b.ld);
+          transpose(rows, b.at(c, jb), kKeyPad);
         }
         for (; c < half; ++c)
           for (int64_t j = 0; j < kLanes; ++j)
-            std::memcpy(kp + c * b.ld + (jb + j - b.base), k + (jb + j) * slot_stride + 2 * c, 4);
+            std::memcpy(b.at(c, jb + j), k + (jb + j) * slot_stride + 2 * c, 4);
       }
       for (; jb < prefix_end; ++jb)
-        for (int64_t c = 0; c < half; ++c)
-          std::memcpy(kp + c * b.ld + (jb - b.base), k + jb * slot_stride + 2 * c, 4);
+        for (int64_t c = 0; c < half; ++c) std::memcpy(b.at(c, jb), k + jb * slot_stride + 2 * c, 4);
       jb = prefix_end;
     }
   for (; jb + kLanes <= prefix_end; jb += kLanes) {
@@ -277,16 +301,16 @@ void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t
       for (; d + kLanes <= D; d += kLanes) {
         Vec rows[kLanes];
         for (int i = 0; i < kLanes; ++i) rows[i] = load(k + (jb + i) * slot_stride + d);
-        transpose(rows, b.kt() + d * b.ld + (jb - b.base), b.ld);
+        transpose(rows, b.at(d, jb), kKeyPad);
       }
     for (; d < D; ++d) {
-      Acc* dst = b.kt() + d * b.ld + (jb - b.base);
+      Acc* dst = b.at(d, jb);  // kLanes keys of one group
       const scalar_t* src = k + jb * slot_stride + d;
       for (int64_t j = 0; j < kLanes; ++j) dst[j] = to_float(src[j * slot_stride]);
     }
   }
   for (; jb < prefix_end; ++jb)
-    for (int64_t d = 0; d < D; ++d) b.kt()[d * b.ld + (jb - b.base)] = to_float(k[jb * slot_stride + d]);
+    for (int64_t d = 0; d < D; ++d) *b.at(d, jb) = to_float(k[jb * slot_stride + d]);
   for (int64_t j = std::max(j0, P); j < j1; ++j)
     for (int64_t d = 0; d < D; ++d) b.ktree()[(j - P) * D + d] = to_float(k[j * slot_stride + d]);
 }
@@ -420,7 +444,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
     }
     prefix_scores<Acc, R>(qs, b, full, round_up(tail, kKeyPad), s_tail, lds);
   }
-  if (nu > 0) scores_tile<Acc, R>(qs, D, ku, nup, nup, s_tree, ldt);
+  if (nu > 0) scores_tile<Acc, R>(qs, D, ku, KeyLayout{kKeyPad, nup}, nup, s_tree, ldt);
   auto& own = w.own;
   for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
     for (r1 = r0 + 1; r1 < R && tok[r1] == tok[r0];) ++r1;  // rows r0..r1-1 are this token's
