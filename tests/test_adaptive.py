@@ -385,6 +385,21 @@ def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, t
     assert engine.matrix.confidence.any() and torch.equal(again.matrix.confidence, engine.matrix.confidence)
 
 
+def test_a_cached_curve_is_keyed_by_the_cpu_kernels_it_was_measured_with(tmp_path, monkeypatch):
+    """The CPU kernels live in each tier's library, not in the op library: a rebuilt tier library (its kernels
+    changed) keys a curve of its own, so a curve measured with the kernels before a change is not reused."""
+    from tr_engine import cpu
+
+    tier = cpu.runnable()[0]
+    key = lambda: cost_key("m", torch.float32, torch.device("cpu"), "kernels", cpu_tier=tier.name)  # noqa: E731
+    before = key()["build"]
+    assert before == key()["build"]  # a fingerprint, the same while nothing changes
+    rebuilt = tmp_path / cpu.library(tier).name
+    rebuilt.write_bytes(cpu.library(tier).read_bytes() + b"a rebuilt kernel")
+    monkeypatch.setattr(cpu, "library", lambda t: rebuilt if t == tier else None)
+    assert key()["build"] != before
+
+
 def test_an_engine_given_a_curve_prices_its_trees_by_it_and_measures_nothing(tiny_factory, tmp_path, monkeypatch):
     from tr_engine.engine import Engine
     from tr_engine.errors import InvalidType

@@ -307,15 +307,25 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     return {"model": model_name, "dtype": str(dtype).removeprefix("torch."), "device": where,
             "threads": torch.get_num_threads(), "ops": ops, "torch": torch.__version__,
-            "build": kernels_build() if "kernels" in ops else None, "cuda_graphs": cuda_graphs, "tp": tp,
+            "build": kernels_build(cpu_tier) if "kernels" in ops else None, "cuda_graphs": cuda_graphs, "tp": tp,
             "cpu_tier": cpu_tier}
 
 
-def kernels_build() -> str:
-    """A fingerprint of the compiled extension (its file's hash): a rebuilt kernel has another cost curve."""
+def kernels_build(cpu_tier: str | None = None) -> str:
+    """A fingerprint of the compiled kernels (their files' hash): the op library's and, on a CPU, the library of the
+    tier in use (tr_engine/cpu.py), where the CPU kernels are. A rebuilt kernel has another cost curve. (Hashing the
+    op library alone kept a curve measured with the CPU kernels before a change.)"""
     import tr_engine._C
+    from tr_engine import cpu
 
-    return hashlib.sha1(Path(tr_engine._C.__file__).read_bytes()).hexdigest()[:12]
+    files = [Path(tr_engine._C.__file__)]
+    if cpu_tier:
+        library = cpu.library(cpu.tier(cpu_tier))
+        files += [library] if library is not None else []
+    digest = hashlib.sha1()
+    for f in files:
+        digest.update(f.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def cost_path(home: Path, key: dict) -> Path:
