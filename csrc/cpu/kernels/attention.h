@@ -59,13 +59,13 @@ struct KeyLayout {
 // (Prefix keys as [D, ld] rows, a tile read D lines ~1 KB apart per group of keys, each asked for one multiply-add
 // before it was used: on the AVX2 tier the score tiles of an 8-token fp32 verify ran at a fifth of the FMA peak.)
 template <typename Acc, int64_t R, int64_t W>
-void scores_chunk(const Acc* q, int64_t D, const Acc* kt, KeyLayout at, int64_t j0, Acc* s, int64_t lds) {
+void scores_chunk(const Acc* q, int64_t D, const Acc* kt, KeyLayout layout, int64_t j0, Acc* s, int64_t lds) {
   constexpr int64_t G = W / kKeyPad;  // groups of keys
   static_assert(W % kKeyPad == 0, "a chunk covers whole groups of keys");
   Acc acc[R][W] = {};
   for (int64_t d = 0; d < D; ++d)
     for (int64_t g = 0; g < G; ++g) {
-      const Acc* k = kt + (j0 / kKeyPad + g) * at.group + d * at.dim;
+      const Acc* k = kt + (j0 / kKeyPad + g) * layout.group + d * layout.dim;
       for (int64_t r = 0; r < R; ++r) {
         const Acc qv = q[r * D + d];
 #pragma omp simd
@@ -77,10 +77,10 @@ void scores_chunk(const Acc* q, int64_t D, const Acc* kt, KeyLayout at, int64_t 
 
 // All n keys (a multiple of kKeyPad): wide chunks, then narrow ones for the rest.
 template <typename Acc, int64_t R>
-void scores_tile(const Acc* q, int64_t D, const Acc* kt, KeyLayout at, int64_t n, Acc* s, int64_t lds) {
+void scores_tile(const Acc* q, int64_t D, const Acc* kt, KeyLayout layout, int64_t n, Acc* s, int64_t lds) {
   int64_t j0 = 0;
-  for (; j0 + kCols <= n; j0 += kCols) scores_chunk<Acc, R, kCols>(q, D, kt, at, j0, s, lds);
-  for (; j0 < n; j0 += kKeyPad) scores_chunk<Acc, R, kKeyPad>(q, D, kt, at, j0, s, lds);
+  for (; j0 + kCols <= n; j0 += kCols) scores_chunk<Acc, R, kCols>(q, D, kt, layout, j0, s, lds);
+  for (; j0 < n; j0 += kKeyPad) scores_chunk<Acc, R, kKeyPad>(q, D, kt, layout, j0, s, lds);
 }
 
 
@@ -179,13 +179,14 @@ T* reused(int64_t n, int slot) {
   return buffers[slot].get();
 }
 
-// One KV head's keys in Acc, laid out for the score tiles: prefix keys transposed in groups of kKeyPad (KeyLayout;
-// ld slots, the padding keys' scores computed and dropped) and tree keys as rows ([T, D]). Values need no layout change: the tiles read them from
-// the cache where they are. Either the whole prefix (ld = P rounded up to kKeyPad), converted once for all the tasks
-// of a head into a reused buffer, or a window of one block of it (ld = kKeyBlock, from slot `base`), converted by a
-// head's only task just before it scores the block: a decode step's keys are then read once from the cache and used
-// while in cache, where a whole head's copy (P x D floats, 16 MB a layer for a 7B model at P = 1024) would go out to
-// memory and back. The values are the same either way (bf16 -> float is exact), so are the scores.
+// One KV head's keys in Acc, laid out for the score tiles: prefix keys transposed in groups of kKeyPad (KeyLayout; ld
+// slots, the padding keys' scores computed and dropped) and tree keys as rows ([T, D]). Values need no layout change:
+// the tiles read them from the cache where they are. Either the whole prefix (ld = P rounded up to kKeyPad), converted
+// once for all the tasks of a head into a reused buffer, or a window of one block of it (ld = kKeyBlock, from slot
+// `base`), converted by a head's only task just before it scores the block: a decode step's keys are then read once
+// from the cache and used while in cache, where a whole head's copy (P x D floats, 16 MB a layer for a 7B model at P =
+// 1024) would go out to memory and back. The values are the same either way (bf16 -> float is exact), so are the
+// scores.
 // bf16 keys (with AVX-512) are transposed without converting them: `pairs` holds the prefix keys as D/2 32-bit words
 // per key (in the same groups), word (i, j) the bf16 values of dims 2i and 2i + 1 of key j side by side, and the
 // score tiles widen them to floats in registers (scores_chunk_pairs). A 16 x 16 transpose then moves 32 dims, not 16,
@@ -219,14 +220,14 @@ struct HeadKeys {
 // each pair widened to two float vectors (a shift for the even dim, a mask for the odd one: exact). q [R, D] floats,
 // D even.
 template <int64_t R, int64_t W>
-void scores_chunk_pairs(const float* q, int64_t D, const float* kp, KeyLayout at, int64_t j0, float* s,
+void scores_chunk_pairs(const float* q, int64_t D, const float* kp, KeyLayout layout, int64_t j0, float* s,
                         int64_t lds) {
   constexpr int64_t NV = W / kLanes;
   static_assert(W % kKeyPad == 0 && kKeyPad % kLanes == 0, "a chunk covers whole groups of keys, in vectors");
   // Vector i of the chunk: keys j0 + i kLanes.., in group (j0 + i kLanes) / kKeyPad.
   const auto words = [&](int64_t c, int64_t i) {
     const int64_t j = j0 + kLanes * i;
-    return load_words(kp + j / kKeyPad * at.group + c * at.dim + j % kKeyPad);
+    return load_words(kp + j / kKeyPad * layout.group + c * layout.dim + j % kKeyPad);
   };
   Vec acc[R][NV];
   for (int64_t r = 0; r < R; ++r)
@@ -552,8 +553,8 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
 }
 
 
-// The attention of one sequence's rows, its arguments checked already (every row sees a key): the kernel in the operands' dtype (float
-// accumulation, double for double).
+// The attention of one sequence's rows, its arguments checked already (every row sees a key): the kernel in the
+// operands' dtype (float accumulation, double for double).
 template <typename scalar_t>
 void attend_seq(const SeqOperands<scalar_t>& s, int64_t prefix_len, double scale) {
   if (s.T == 0) return;
