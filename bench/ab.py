@@ -36,7 +36,8 @@ def worker() -> None:
     for line in sys.stdin:
         r = engine.generate(json.loads(line), config["max_new_tokens"], method=config["method"])
         g = r.generation
-        print(json.dumps({"token_ids": r.token_ids, "seconds": g.prefill_s + g.decode_s}), flush=True)
+        print(json.dumps({"token_ids": r.token_ids, "seconds": g.prefill_s + g.decode_s, "decode_s": g.decode_s,
+                          "forwards": g.steps, "verified": sum(g.verify_tokens) or g.steps}), flush=True)
 
 
 class Worker:
@@ -77,6 +78,7 @@ def run(args) -> dict:
                 answers = {side: workers[side].ask(prompt) for side in order}
                 rows.append({"question_id": q.get("question_id"), "group": group_of(q["category"]),
                              **{f"{s}_s": answers[s]["seconds"] for s in SIDES},
+                             **{f"{s}_{k}": answers[s][k] for s in SIDES for k in ("decode_s", "forwards", "verified")},
                              "tokens": len(answers["after"]["token_ids"]),
                              "identical": answers["before"]["token_ids"] == answers["after"]["token_ids"]})
                 print(f"{dtype} {i + 1}/{len(chosen)} {rows[-1]['group']}: before {rows[-1]['before_s']:.2f}s "
@@ -87,7 +89,12 @@ def run(args) -> dict:
         tokens = sum(r["tokens"] for r in rows)
         speed = {s: tokens / sum(r[f"{s}_s"] for r in rows) for s in SIDES}
         ratios = sorted(r["before_s"] / r["after_s"] for r in rows)
+        # Where a ratio comes from: fewer forwards (a better tree plan) or cheaper ones (faster kernels).
+        forwards = {s: sum(r[f"{s}_forwards"] for r in rows) for s in SIDES}
+        per_forward_ms = {s: 1e3 * sum(r[f"{s}_decode_s"] for r in rows) / max(forwards[s], 1) for s in SIDES}
+        verified = {s: sum(r[f"{s}_verified"] for r in rows) / max(forwards[s], 1) for s in SIDES}
         out[dtype] = {"rows": rows, "tokens_per_s": speed, "speed_ratio": speed["after"] / speed["before"],
+                      "forwards": forwards, "per_forward_ms": per_forward_ms, "verified_per_forward": verified,
                       "median_ratio": statistics.median(ratios), "ratio_range": [ratios[0], ratios[-1]],
                       "identical": sum(r["identical"] for r in rows), "questions": len(rows)}
     return out
@@ -113,12 +120,16 @@ def write(path: Path, data: dict, info: dict, args) -> str:
              f"threads; {args.questions} questions of {args.questions_file.name} (first turns), interleaved question "
              "by question in two warm processes, each from an empty matrix and a cost curve it measured at its "
              "start.", "",
-             "| dtype | before tok/s | after tok/s | after/before | per-question median (min-max) | identical |",
-             "|---|---|---|---|---|---|"]
+             "| dtype | before tok/s | after tok/s | after/before | per-question median (min-max) | identical "
+             "| forwards before/after | ms per forward before/after | tokens verified per forward before/after |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for dtype, d in data.items():
         lines.append(f"| {dtype} | {d['tokens_per_s']['before']:.2f} | {d['tokens_per_s']['after']:.2f} | "
                      f"{d['speed_ratio']:.3f}x | {d['median_ratio']:.3f}x ({d['ratio_range'][0]:.2f}-"
-                     f"{d['ratio_range'][1]:.2f}) | {d['identical']}/{d['questions']} |")
+                     f"{d['ratio_range'][1]:.2f}) | {d['identical']}/{d['questions']} | "
+                     f"{d['forwards']['before']}/{d['forwards']['after']} | {d['per_forward_ms']['before']:.2f}/"
+                     f"{d['per_forward_ms']['after']:.2f} | {d['verified_per_forward']['before']:.2f}/"
+                     f"{d['verified_per_forward']['after']:.2f} |")
     text = "\n".join(lines) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".md").write_text(text)

@@ -136,6 +136,10 @@ def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
     assert data["questions"] == 3 and data["identical"] == 3
     assert [r["question_id"] for r in data["rows"]] == [0, 1, 2]
     assert all(r["before_s"] > 0 and r["after_s"] > 0 and 1 <= r["tokens"] <= 6 for r in data["rows"])
+    # the split of the ratio: forwards summed over the questions, each forward verifying at least its root
+    for side in ("before", "after"):
+        assert data["forwards"][side] == sum(r[f"{side}_forwards"] for r in data["rows"]) > 0
+        assert all(r[f"{side}_verified"] >= r[f"{side}_forwards"] for r in data["rows"])
     assert "| float32 |" in out.with_suffix(".md").read_text() and "3/3 |" in proc.stdout
     bad = run_module("bench.ab", "--before", str(tmp_path / "nowhere"), "--out", str(out))
     assert_one_line_error(bad, "nowhere", "not a tr-engine checkout")
