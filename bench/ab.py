@@ -31,8 +31,10 @@ def worker() -> None:
     # Measured afresh before the first timed question, the two sides one after the other: a cached curve may come
     # from another spell of this machine (one measured while it was slow priced a 6-token fp32 verify at one plain
     # step, its trees grew, and hybrid read 0.970x against a side that had measured its own).
-    engine.cost_model(recalibrate=True)
-    print(json.dumps({"ready": True}), flush=True)
+    cost = engine.cost_model(recalibrate=True)
+    # the curve this side plans with: two sides' trees differ where their curves do
+    print(json.dumps({"ready": True, "curve": {"sizes": list(cost.buckets), "prefixes": list(cost.prefixes),
+                                               "relative": cost.relative}}), flush=True)
     for line in sys.stdin:
         r = engine.generate(json.loads(line), config["max_new_tokens"], method=config["method"])
         g = r.generation
@@ -45,7 +47,7 @@ class Worker:
         env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], cwd=checkout, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.ask(config)
+        self.curve = self.ask(config)["curve"]
 
     def ask(self, message) -> dict:
         self.proc.stdin.write(json.dumps(message) + "\n")
@@ -94,7 +96,8 @@ def run(args) -> dict:
         per_forward_ms = {s: 1e3 * sum(r[f"{s}_decode_s"] for r in rows) / max(forwards[s], 1) for s in SIDES}
         verified = {s: sum(r[f"{s}_verified"] for r in rows) / max(forwards[s], 1) for s in SIDES}
         out[dtype] = {"rows": rows, "tokens_per_s": speed, "speed_ratio": speed["after"] / speed["before"],
-                      "forwards": forwards, "per_forward_ms": per_forward_ms, "verified_per_forward": verified,
+                      "curves": {s: workers[s].curve for s in SIDES}, "forwards": forwards,
+                      "per_forward_ms": per_forward_ms, "verified_per_forward": verified,
                       "median_ratio": statistics.median(ratios), "ratio_range": [ratios[0], ratios[-1]],
                       "identical": sum(r["identical"] for r in rows), "questions": len(rows)}
     return out
@@ -111,6 +114,12 @@ def describe(checkout: Path) -> str:
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def price(curve: dict, tokens: int) -> str:
+    """A verify of `tokens` in plain steps on a side's curve, at its first prefix ("-" where it has no such size)."""
+    sizes = curve["sizes"]
+    return f"{curve['relative'][0][sizes.index(tokens)]:.2f}" if tokens in sizes else "-"
+
+
 def write(path: Path, data: dict, info: dict, args) -> str:
     from bench.machine import machine_line
 
@@ -121,15 +130,17 @@ def write(path: Path, data: dict, info: dict, args) -> str:
              "by question in two warm processes, each from an empty matrix and a cost curve it measured at its "
              "start.", "",
              "| dtype | before tok/s | after tok/s | after/before | per-question median (min-max) | identical "
-             "| forwards before/after | ms per forward before/after | tokens verified per forward before/after |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| forwards before/after | ms per forward before/after | tokens verified per forward before/after "
+             "| an 8-token verify in plain steps before/after |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for dtype, d in data.items():
         lines.append(f"| {dtype} | {d['tokens_per_s']['before']:.2f} | {d['tokens_per_s']['after']:.2f} | "
                      f"{d['speed_ratio']:.3f}x | {d['median_ratio']:.3f}x ({d['ratio_range'][0]:.2f}-"
                      f"{d['ratio_range'][1]:.2f}) | {d['identical']}/{d['questions']} | "
                      f"{d['forwards']['before']}/{d['forwards']['after']} | {d['per_forward_ms']['before']:.2f}/"
                      f"{d['per_forward_ms']['after']:.2f} | {d['verified_per_forward']['before']:.2f}/"
-                     f"{d['verified_per_forward']['after']:.2f} |")
+                     f"{d['verified_per_forward']['after']:.2f} | {price(d['curves']['before'], 8)}/"
+                     f"{price(d['curves']['after'], 8)} |")
     text = "\n".join(lines) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".md").write_text(text)

@@ -140,6 +140,7 @@ def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
     for side in ("before", "after"):
         assert data["forwards"][side] == sum(r[f"{side}_forwards"] for r in data["rows"]) > 0
         assert all(r[f"{side}_verified"] >= r[f"{side}_forwards"] for r in data["rows"])
+        assert data["curves"][side]["relative"][0][0] == 1.0  # each side's curve, in its plain steps
     assert "| float32 |" in out.with_suffix(".md").read_text() and "3/3 |" in proc.stdout
     bad = run_module("bench.ab", "--before", str(tmp_path / "nowhere"), "--out", str(out))
     assert_one_line_error(bad, "nowhere", "not a tr-engine checkout")
