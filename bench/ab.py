@@ -8,8 +8,14 @@ there first: `python setup.py build_ext --inplace -j 2`), loaded once and kept w
 question (A B, then B A) and share whatever drift the machine has. Both start from an empty recycling matrix and see
 the same questions in the same order, so a lossless engine gives both the same tokens; each measures its verify cost
 curve afresh at its start (the adaptive trees' prices), one after the other. Reported: tokens per second of
-each over the whole run, their ratio, the median and spread of the per-question ratios, and how many answers are
-identical.
+each over the whole run, their ratio, the median and spread of the per-question ratios, how many answers are
+identical, and where the ratio comes from: forwards, milliseconds per forward, tokens verified per forward.
+
+Two measurements of one machine's curve differ by a few percent, and the trees planned from them differ with them:
+this checkout against itself read 0.986x on SmolLM2 fp32 hybrid (1337 against 1387 forwards; 8-token verifies priced
+at 1.43 and 1.55 plain steps). `--shared-curve` takes the plan out of the comparison: the after side measures the
+curve and the before side plans with the same one, so that where both are exact they draft the same trees and the
+ratio is the kernels' and the loop's alone.
 """
 
 import json
@@ -31,10 +37,16 @@ def worker() -> None:
     # Measured afresh before the first timed question, the two sides one after the other: a cached curve may come
     # from another spell of this machine (one measured while it was slow priced a 6-token fp32 verify at one plain
     # step, its trees grew, and hybrid read 0.970x against a side that had measured its own).
-    cost = engine.cost_model(recalibrate=True)
+    if config.get("curve"):  # the other side's curve (set as the engine's own: an older checkout has no use_cost)
+        from tr_engine.cost import CostModel
+
+        c = config["curve"]
+        engine._cost = CostModel(tuple(c["sizes"]), tuple(c["prefixes"]), c["relative"], c["plain_s"],
+                                 engine._cost_location()[0])
+    cost = engine.cost_model(recalibrate=not config.get("curve"))
     # the curve this side plans with: two sides' trees differ where their curves do
     print(json.dumps({"ready": True, "curve": {"sizes": list(cost.buckets), "prefixes": list(cost.prefixes),
-                                               "relative": cost.relative}}), flush=True)
+                                               "relative": cost.relative, "plain_s": cost.plain_s}}), flush=True)
     for line in sys.stdin:
         r = engine.generate(json.loads(line), config["max_new_tokens"], method=config["method"])
         g = r.generation
@@ -71,7 +83,13 @@ def run(args) -> dict:
     for dtype in args.dtypes:
         config = dict(model=args.model, dtype=dtype, threads=args.threads, method=args.method,
                       max_new_tokens=args.max_new_tokens)
-        workers = {side: Worker(Path(getattr(args, side)), config) for side in SIDES}
+        workers = {"after": Worker(Path(args.after), config)}
+        try:
+            workers["before"] = Worker(Path(args.before), {**config, "curve": workers["after"].curve
+                                                           if args.shared_curve else None})
+        except BaseException:
+            workers["after"].close()
+            raise
         rows = []
         try:
             for i, q in enumerate(chosen):
@@ -127,8 +145,9 @@ def write(path: Path, data: dict, info: dict, args) -> str:
     lines = [f"# Before ({before}) and after ({after})", "",
              f"{machine_line(info)}. {args.method}, greedy, {args.max_new_tokens} new tokens at most, {args.threads} "
              f"threads; {args.questions} questions of {args.questions_file.name} (first turns), interleaved question "
-             "by question in two warm processes, each from an empty matrix and a cost curve it measured at its "
-             "start.", "",
+             "by question in two warm processes, each from an empty matrix and "
+             + ("the cost curve the after side measured at its start." if args.shared_curve
+                else "a cost curve it measured at its start."), "",
              "| dtype | before tok/s | after tok/s | after/before | per-question median (min-max) | identical "
              "| forwards before/after | ms per forward before/after | tokens verified per forward before/after "
              "| an 8-token verify in plain steps before/after |",
@@ -144,7 +163,7 @@ def write(path: Path, data: dict, info: dict, args) -> str:
     text = "\n".join(lines) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".md").write_text(text)
-    meta = {"before": before, "after": after, "method": args.method,
+    meta = {"before": before, "after": after, "method": args.method, "shared_curve": args.shared_curve,
             "max_new_tokens": args.max_new_tokens, "threads": args.threads}
     path.with_suffix(".json").write_text(json.dumps({"machine": info, **meta, **data}, indent=2) + "\n")
     return text
@@ -165,6 +184,8 @@ def main(argv=None) -> int:  # (the imports here, not at the top: a worker impor
     ap.add_argument("--questions-file", type=Path, default=DEFAULT_QUESTIONS)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shared-curve", action="store_true",
+                    help="both sides plan with the after side's cost curve (the kernels and loop compared alone)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ab")
     args = ap.parse_args(argv)
     for side in SIDES:
