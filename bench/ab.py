@@ -139,7 +139,7 @@ def price(curve: dict, tokens: int) -> str:
 
 
 def write(path: Path, data: dict, info: dict, args) -> str:
-    from bench.machine import machine_line
+    from bench.machine import machine_line, save_results
 
     before, after = describe(args.before), describe(args.after)
     lines = [f"# Before ({before}) and after ({after})", "",
@@ -160,13 +160,9 @@ def write(path: Path, data: dict, info: dict, args) -> str:
                      f"{d['per_forward_ms']['after']:.2f} | {d['verified_per_forward']['before']:.2f}/"
                      f"{d['verified_per_forward']['after']:.2f} | {price(d['curves']['before'], 8)}/"
                      f"{price(d['curves']['after'], 8)} |")
-    text = "\n".join(lines) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".md").write_text(text)
     meta = {"before": before, "after": after, "method": args.method, "shared_curve": args.shared_curve,
             "max_new_tokens": args.max_new_tokens, "threads": args.threads}
-    path.with_suffix(".json").write_text(json.dumps({"machine": info, **meta, **data}, indent=2) + "\n")
-    return text
+    return save_results(path, "\n".join(lines) + "\n", {**meta, **data}, info)
 
 
 def main(argv=None) -> int:  # (the imports here, not at the top: a worker imports its own checkout's tr_engine alone)

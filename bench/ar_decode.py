@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import machine_info, machine_line
+from bench.machine import machine_info, machine_line, save_results
 from tr_engine.cli import ArgumentParser, run
 from tr_engine.decode import plain_generate
 from tr_engine.engine import Engine
@@ -107,10 +107,8 @@ def main(argv=None) -> int:
               "accumulation order, RoPE and norm casts), and half-precision rounding flips near-tied argmaxes; float32 "
               "outputs must be identical."]
     table = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ar_decode.md").write_text(table)
-    (args.out / "ar_decode.json").write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
-                                                         "results": results}, indent=2) + "\n")
+    save_results(args.out / "ar_decode", table, {"args": {k: str(v) for k, v in vars(args).items()},
+                                                 "results": results}, info)
     print(table)
     return 0
 

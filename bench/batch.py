@@ -11,7 +11,6 @@ decoding's. The recycling matrix is warmed first on other questions and shared b
 Writes batch.{md,json,png}.
 """
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -96,7 +95,7 @@ def run(args) -> dict:
 
 
 def write(folder: Path, data: dict, info: dict, args) -> str:
-    from bench.machine import machine_line
+    from bench.machine import machine_line, save_results
 
     lines = ["# Batched decoding: throughput and latency by batch size and method", "",
              f"{machine_line(info)}. {args.model}, {args.questions} dev-split questions (first turns), greedy, "
@@ -119,9 +118,7 @@ def write(folder: Path, data: dict, info: dict, args) -> str:
                          f"{r['verify_tokens_per_step']:.2f} | {r['identical']}/{args.questions} |")
         lines.append("")
     text = "\n".join(lines)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "batch.md").write_text(text)
-    (folder / "batch.json").write_text(json.dumps({"machine": info, **data}, indent=2) + "\n")
+    save_results(folder / "batch", text, data, info)
     plot(folder / "batch.png", data)
     return text
 

@@ -16,7 +16,6 @@ chat_shape_<shape>.{md,json}.
     python -m bench.chat_shape [--shape vicuna-7b] [--max-new-tokens 48] [--scratch DIR]
 """
 
-import json
 import os
 import re
 import subprocess
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.load_memory import write_checkpoint
-from bench.machine import machine_info, machine_line, status_kb
+from bench.machine import machine_info, machine_line, save_results, status_kb
 from bench.shapes import SHAPES
 from bench.specbench import DEFAULT_QUESTIONS, load_questions
 from tr_engine.cli import ArgumentParser, run
@@ -143,12 +142,10 @@ def main(argv=None) -> int:
               "default's calibration and the first prefill. Resident and peak: VmRSS (after loading: at the notice, "
               "or for plain decoding at its first byte) and VmHWM, as multiples of the weights' bytes."]
     text = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"chat_shape_{args.shape}.md").write_text(text)
-    (args.out / f"chat_shape_{args.shape}.json").write_text(json.dumps(
-        {"machine": info, "shape": args.shape, "weights_bytes": weights, "tokenizer_pieces": pieces,
-         "max_new_tokens": args.max_new_tokens, "question": questions[args.question]["question_id"], "runs": runs},
-        indent=2) + "\n")
+    save_results(args.out / f"chat_shape_{args.shape}", text,
+                 {"shape": args.shape, "weights_bytes": weights, "tokenizer_pieces": pieces,
+                  "max_new_tokens": args.max_new_tokens, "question": questions[args.question]["question_id"],
+                  "runs": runs}, info)
     print(text)
     return 0
 

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.machine import machine_info, machine_line, rss_kb
+from bench.machine import machine_info, machine_line, rss_kb, save_results
 from bench.specbench import DEFAULT_QUESTIONS
 from tr_engine.cli import ArgumentParser, run
 from tr_engine.cli_args import integer
@@ -127,10 +127,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     result = soak(args)
     info = machine_info()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "chat_soak.json").write_text(json.dumps({"machine": info, **result}, indent=1) + "\n")
-    text = report(result, info)
-    (args.out / "chat_soak.md").write_text(text)
+    text = save_results(args.out / "chat_soak", report(result, info), result, info)
     print(text)
     return 0 if result["within_10_percent"] else 1
 

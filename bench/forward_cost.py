@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import copy_bandwidth, machine_info, machine_line, read_bandwidth, rss_kb
+from bench.machine import copy_bandwidth, machine_info, machine_line, read_bandwidth, rss_kb, save_results
 from bench.shapes import SHAPES, held_bytes, weight_bytes
 from tr_engine.cli import ArgumentParser, run
 from tr_engine.cost import time_steps
@@ -168,13 +168,12 @@ def shape_run(args, dtype: str, info: dict) -> list[str]:
                               for grp, b in g["groups"].items()) + f"; geometric mean {g['geo_mean']:.2f}x.", ""]
     lines.append(f"![cost curve](forward_cost_{args.shape}_{dtype}.png)")
     stem = args.out / f"forward_cost_{args.shape}_{dtype}"
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(
-        {"machine": info, "shape": args.shape, "dtype": dtype, "random_weights": True, "held_bytes": held,
-         "build_s": built_s, "rss_growth_bytes": rss_gb * 1e9, "read_gb_s": read_gb_s,
-         "floor_pairs": pairs, "floor_share": share, "copy_gb_s": copy_gb_s,
-         "step_weight_bytes": step_bytes, "floor_s": floor_s, "seconds": seconds, "relative": relative,
-         "projection": projection}, indent=2) + "\n")
+    save_results(stem, "\n".join(lines) + "\n",
+                 {"shape": args.shape, "dtype": dtype, "random_weights": True, "held_bytes": held,
+                  "build_s": built_s, "rss_growth_bytes": rss_gb * 1e9, "read_gb_s": read_gb_s,
+                  "floor_pairs": pairs, "floor_share": share, "copy_gb_s": copy_gb_s,
+                  "step_weight_bytes": step_bytes, "floor_s": floor_s, "seconds": seconds, "relative": relative,
+                  "projection": projection}, info)
     plot(stem.with_suffix(".png"), {f"prefix {p}": c for p, c in relative.items()}, f"{name}: verify / plain step")
     return lines
 
@@ -216,10 +215,8 @@ def main(argv=None) -> int:
         lines += ["", "Plain step: " + ", ".join(f"{1e3 * seconds[p][1]:.1f} ms at prefix {p}" for p in args.prefixes)
                   + ".", "", f"![cost curve](forward_cost_{dtype}.png)"]
         stem = args.out / f"forward_cost_{dtype}"
-        (stem.with_suffix(".md")).write_text("\n".join(lines) + "\n")
-        (stem.with_suffix(".json")).write_text(json.dumps(
-            {"machine": info, "model": args.model, "dtype": dtype, "seconds": seconds, "relative": curves},
-            indent=2) + "\n")
+        save_results(stem, "\n".join(lines) + "\n",
+                     {"model": args.model, "dtype": dtype, "seconds": seconds, "relative": curves}, info)
         plot(stem.with_suffix(".png"), {f"prefix {p}": c for p, c in curves.items()},
              f"{args.model} {dtype}: verify forward / plain step")
         print("\n".join(lines), flush=True)

@@ -8,7 +8,6 @@ not the best this CPU runs: `--tier avx2` on an AVX-512 machine gives kernels_cp
 """
 
 import itertools
-import json
 import statistics
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.machine import copy_bandwidth, machine_info, machine_line
+from bench.machine import copy_bandwidth, machine_info, machine_line, save_results
 from bench.shapes import SHAPES, projections
 from tr_engine import cpu, reference
 from tr_engine.cli import ArgumentParser, run
@@ -237,10 +236,7 @@ def main(argv=None) -> int:
     stem = "kernels_cpu" if args.device == "cpu" and args.shape == "smollm2" else f"kernels_{args.device}_{args.shape}"
     if tier is not None and tier != cpu.runnable()[0].name:
         stem += f"_{tier}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"{stem}.json").write_text(json.dumps({"machine": info, "shape": args.shape, "rows": rows},
-                                                      indent=2) + "\n")
+    save_results(args.out / stem, "\n".join(lines) + "\n", {"shape": args.shape, "rows": rows}, info)
     print("\n".join(lines))
     return 0
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import machine_info, machine_line
+from bench.machine import machine_info, machine_line, save_results
 from bench.shapes import SHAPES
 from tr_engine.cli import ArgumentParser, run
 
@@ -135,10 +135,7 @@ def main(argv=None) -> int:
         lines.append(f"| {stored} | {r['checkpoint_bytes'] / 1e9:.2f} | {r['load_s']:.0f} | "
                      f"{r['held_bytes'] / 1e9:.2f} | {r['grown_x']:.3f}x | {r['peak_x']:.3f}x |")
     text = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"load_memory_{args.shape}.md").write_text(text)
-    (args.out / f"load_memory_{args.shape}.json").write_text(json.dumps({"machine": info, "shape": args.shape,
-                                                                         "rows": rows}, indent=2) + "\n")
+    save_results(args.out / f"load_memory_{args.shape}", text, {"shape": args.shape, "rows": rows}, info)
     print(text)
     return 0
 

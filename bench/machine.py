@@ -1,5 +1,6 @@
 """What a benchmark ran on: recorded in every results file, because numbers without their machine mean nothing."""
 
+import json
 import os
 import platform
 import subprocess
@@ -57,6 +58,15 @@ def machine_info(device: str = "cpu") -> dict:
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def save_results(stem: Path, text: str, record: dict, info: dict) -> str:
+    """Write a benchmark's results beside each other: `stem`.md, the report people read, and `stem`.json, its numbers
+    with the machine they ran on first (machine_info). The folder is made if needed. Returns `text`."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    (stem.parent / f"{stem.name}.md").write_text(text)
+    (stem.parent / f"{stem.name}.json").write_text(json.dumps({"machine": info, **record}, indent=1) + "\n")
+    return text
 
 
 def machine_line(info: dict) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import machine_info, machine_line, read_bandwidth
+from bench.machine import machine_info, machine_line, read_bandwidth, save_results
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
 from tr_engine import cpu
 from tr_engine.cli import ArgumentParser, run
@@ -333,15 +333,12 @@ def write(out: Path, data: dict, info: dict) -> str:
                   f"**{ours[0] / theirs[0]:.2f}x**. Plain against plain: "
                   f"**{table['ar']['decode_tok_s'] / base:.2f}x**.", ""]
     text = "\n".join(lines) + "\n"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"peers_{data['tier']}.md").write_text(text)
     slim = json.loads(json.dumps(data))
     for res in slim["results"].values():  # the texts stay out of the committed record; the verdicts stay in
         for rows in res["rows"].values():
             for r in rows:
                 r.pop("text", None)
-    (out / f"peers_{data['tier']}.json").write_text(json.dumps({"machine": info, **slim}, indent=1) + "\n")
-    return text
+    return save_results(out / f"peers_{data['tier']}", text, slim, info)
 
 
 def main(argv=None) -> int:

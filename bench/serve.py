@@ -17,7 +17,6 @@ failed other than the dropped ones (must be none), SIGTERM's exit status, and wh
 Writes serve.{md,json} or serve_soak.{md,json}.
 """
 
-import json
 import random
 import signal
 import socket
@@ -223,7 +222,7 @@ def soak(args, questions: list[str]) -> dict:
 
 
 def write_load(folder: Path, rows: dict, info: dict, args) -> str:
-    from bench.machine import machine_line
+    from bench.machine import machine_line, save_results
 
     lines = ["# The server under load: OpenAI clients streaming dev-split questions", "",
              f"{machine_line(info)}. {args.model} in {args.dtype}, `python -m tr_engine.serve --batch "
@@ -241,15 +240,11 @@ def write_load(folder: Path, rows: dict, info: dict, args) -> str:
                      f"{r['ttft_ms_p50']:.0f} | {r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.1f} | "
                      f"{r['tpot_ms_p99']:.1f} | {r['mat']:.2f} | {r['identical']}/{r['requests']} |")
     text = "\n".join(lines) + "\n"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "serve.md").write_text(text)
-    (folder / "serve.json").write_text(json.dumps({"machine": info, "args": _args(args), "rows": rows}, indent=2)
-                                       + "\n")
-    return text
+    return save_results(folder / "serve", text, {"args": _args(args), "rows": rows}, info)
 
 
 def write_soak(folder: Path, r: dict, info: dict, args) -> str:
-    from bench.machine import machine_line
+    from bench.machine import machine_line, save_results
 
     verdict = r["rss_ok"] and r["failed"] == 0 and r["exit_status"] == 0 and r["matrix_loads"] is True
     lines = ["# Server soak run", "",
@@ -267,10 +262,7 @@ def write_soak(folder: Path, r: dict, info: dict, args) -> str:
              f"- SIGTERM: exit status {r['exit_status']}; the saved matrix loads: {r['matrix_loads']}",
              f"- verdict: {'pass' if verdict else 'FAIL'}", ""]
     text = "\n".join(lines)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "serve_soak.md").write_text(text)
-    (folder / "serve_soak.json").write_text(json.dumps({"machine": info, "args": _args(args), **r}, indent=2) + "\n")
-    return text
+    return save_results(folder / "serve_soak", text, {"args": _args(args), **r}, info)
 
 
 def _args(args) -> dict:

@@ -15,14 +15,13 @@ The parts of a forward at T rows (1 for a plain step; 8, a chain as a tree mask,
     verify, the hybrid method's retrieve + accept + compact + recycle per step, from a generation's phase clock.
 """
 
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from bench.machine import machine_info, machine_line, read_bandwidth
+from bench.machine import machine_info, machine_line, read_bandwidth, save_results
 from bench.peers import weight_bytes
 from bench.specbench import DEFAULT_QUESTIONS, load_questions
 from tr_engine.cli import ArgumentParser, run
@@ -161,11 +160,7 @@ def write(out: Path, data: dict, info: dict) -> str:
                 lines.append(f"| {shape} | {path} | {fwd:.2f} | {floor:.2f} | {p['matmuls'] - floor:.2f} | "
                              f"{p['attention']:.2f} | {glue:.2f} | {h:.2f} | {step:.2f} | {floor / step:.0%} |")
         lines.append("")
-    text = "\n".join(lines) + "\n"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "step_profile.md").write_text(text)
-    (out / "step_profile.json").write_text(json.dumps({"machine": info, **data}, indent=1) + "\n")
-    return text
+    return save_results(out / "step_profile", "\n".join(lines) + "\n", data, info)
 
 
 def main(argv=None) -> int:

@@ -77,7 +77,7 @@ def run(args, prompts: list[str]) -> dict:
 
 
 def write(folder: Path, data: dict, info: dict, args, n: int) -> str:
-    from bench.machine import machine_line
+    from bench.machine import machine_line, save_results
 
     lines = ["# Tensor parallelism on this CPU: memory per rank and answers, side by side", "",
              f"{machine_line(info)}. {args.model} in {args.dtype}; every rank one thread (one core), started as "
@@ -92,15 +92,10 @@ def write(folder: Path, data: dict, info: dict, args, n: int) -> str:
             lines.append(f"| {tp} | {r['rank']} | {r['weights_mb']:.0f} | {r['rss_mb_loaded']:.0f} | "
                          f"{r['rss_mb_after']:.0f} | {r['ar_tokens_per_s']:.1f} | {r['hybrid_tokens_per_s']:.1f} | "
                          f"{same} |")
-    text = "\n".join(lines) + "\n"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tp.md").write_text(text)
-    for rows in data.values():
+    for rows in data.values():  # the token ids stay out of the record; whether they matched is in the table
         for r in rows:
             r.pop("ar_ids"), r.pop("hybrid_ids")
-    (folder / "tp.json").write_text(json.dumps({"machine": info, **{str(k): v for k, v in data.items()}}, indent=2)
-                                    + "\n")
-    return text
+    return save_results(folder / "tp", "\n".join(lines) + "\n", {str(k): v for k, v in data.items()}, info)
 
 
 def main(argv=None) -> int:

@@ -13,10 +13,9 @@ a 128-token verify costs ~9 plain steps: the default run takes about 15 minutes.
                              [--methods tr hybrid] [--sizes 4 8 16 …]
 """
 
-import json
 from pathlib import Path
 
-from bench.machine import machine_info, machine_line
+from bench.machine import machine_info, machine_line, save_results
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
 from tr_engine.cli import ArgumentParser, run
 from tr_engine.cli_args import integer
@@ -98,13 +97,10 @@ def main(argv=None) -> int:
     lines += ["", f"The paper's static 2.2.2 tree (81 tokens), same questions: MAT {static:.2f}.", "",
               "bench.gpu_check divides these by the verify cost it measures on a GPU (plain step = 1) to project "
               "the speedup at each size."]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tree_mat.md").write_text("\n".join(lines) + "\n")
-    (args.out / "tree_mat.json").write_text(json.dumps(
-        {"machine": info, "model": args.model, "dtype": args.dtype, "questions": len(chosen),
-         "max_new_tokens": args.max_new_tokens, "sizes": sizes, "mat": mat, "mat_by_group": mat_by_group,
-         "static_2_2_2": {"tokens": 81, "mat": static}},
-        indent=2) + "\n")
+    save_results(args.out / "tree_mat", "\n".join(lines) + "\n",
+                 {"model": args.model, "dtype": args.dtype, "questions": len(chosen),
+                  "max_new_tokens": args.max_new_tokens, "sizes": sizes, "mat": mat, "mat_by_group": mat_by_group,
+                  "static_2_2_2": {"tokens": 81, "mat": static}}, info)
     print("\n".join(lines))
     return 0
 

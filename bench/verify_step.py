@@ -6,7 +6,6 @@ on the same questions, one engine each, run in alternation. Writes bench/results
     python -m bench.verify_step [--questions 8] [--max-new-tokens 128] [--threads 2] [--dtypes float32 bfloat16]
 """
 
-import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +13,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from bench.machine import machine_info, machine_line
+from bench.machine import machine_info, machine_line, save_results
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
 from tr_engine.cli import ArgumentParser, run
 from tr_engine.engine import Engine
@@ -149,11 +148,7 @@ def write(out: Path, data: dict, info: dict, args) -> str:
               "the projections and LM head of the verify forward (timed around each call). The reference recycle "
               "sorts stably to specify ties exactly, so it is slow by design; stock's `topk` resolves ties and "
               "duplicate tokens as it happens to, so its drafts (and MAT) may differ slightly."]
-    text = "\n".join(lines) + "\n"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "verify_step_cpu.md").write_text(text)
-    (out / "verify_step_cpu.json").write_text(json.dumps({"machine": info, **data}, indent=2) + "\n")
-    return text
+    return save_results(out / "verify_step_cpu", "\n".join(lines) + "\n", data, info)
 
 
 def main(argv=None) -> int:

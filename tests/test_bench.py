@@ -377,3 +377,14 @@ def test_peers_starts_each_of_our_methods_on_a_question_from_the_same_matrix(mar
     assert not torch.equal(ends[DEFAULT_METHOD], before)  # it learned this answer, which the next must not see
     assert torch.equal(engine.matrix.table, ends[DEFAULT_METHOD])
     assert rows["ar"]["bandwidth_gb_s"] == 10.0 and rows["hybrid"]["steps"] < rows["ar"]["steps"]
+
+
+def test_save_results_writes_the_report_and_its_numbers_with_the_machine_first(tmp_path):
+    from bench.machine import save_results
+
+    stem = tmp_path / "new" / "peers_avx2"  # a folder not made yet; a name that a suffix must not cut
+    text = save_results(stem, "# report\n", {"rows": [1, 2]}, {"cpu": "x", "cpu_tier": "avx2"})
+    assert text == "# report\n" and (tmp_path / "new" / "peers_avx2.md").read_text() == text
+    data = json.loads((tmp_path / "new" / "peers_avx2.json").read_text())
+    assert list(data) == ["machine", "rows"] and data["machine"]["cpu_tier"] == "avx2" and data["rows"] == [1, 2]
+
