@@ -85,6 +85,31 @@ def test_requests_that_stop_at_eos_leave_and_free_their_slot(tiny64):
     assert engine.batch_cache().free() == 2  # every slot given back
 
 
+def test_a_batch_seeds_the_matrix_from_each_prompt_as_one_request_alone_does(tiny64):
+    """--seed-from-prompt in a batch: each prompt's prefill seeds the shared matrix exactly as generate() seeds it
+    (one token: no step recycles anything after the seeding), and the answers stay plain decoding's."""
+    alone_engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=2)
+    fresh = alone_engine.matrix.table.clone()
+    alone_engine.generate(PROMPTS[2], max_new_tokens=1, method="tr", seed_from_prompt=True)
+    seeded = alone_engine.matrix.table.clone()
+    assert not torch.equal(seeded, fresh)
+    batch_engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=2)
+    batch_engine.generate_batch([PROMPTS[2]], max_new_tokens=1, method="tr", seed_from_prompt=True)
+    assert torch.equal(batch_engine.matrix.table, seeded)
+    batch_engine.generate_batch([PROMPTS[5]], max_new_tokens=1, method="tr")  # without the flag: no seeding
+    assert torch.equal(batch_engine.matrix.table, seeded)
+    results = batch_engine.generate_batch(PROMPTS[:4], max_new_tokens=20, method="hybrid", seed_from_prompt=True)
+    assert [r.token_ids for r in results] == alone(batch_engine, PROMPTS[:4], 20)
+
+
+def test_a_batched_request_reports_the_seconds_of_its_steps_by_phase(tiny64):
+    engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=3)
+    for r in engine.generate_batch(PROMPTS[:5], max_new_tokens=12, method="hybrid"):
+        g = r.generation
+        assert set(g.phase_s) == {"retrieve", "verify", "accept", "compact", "recycle"}
+        assert all(s >= 0 for s in g.phase_s.values()) and 0 < sum(g.phase_s.values()) <= g.decode_s
+
+
 def test_seeded_sampling_in_a_batch_is_each_requests_own(tiny64):
     engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=3)
     want = [engine.generate(p, max_new_tokens=20, method="ar", temperature=0.8, seed=100 + i).token_ids

@@ -18,18 +18,18 @@ oversize prompt) fails alone, with a one-line error, and the others go on.
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from tr_engine.decode import Generation, prefill
+from tr_engine.decode import Generation
 from tr_engine.drafters import Draft
 from tr_engine.errors import UserError
 from tr_engine.kv_cache import BatchKVCache
 from tr_engine.model import Llama, RaggedBatch
 from tr_engine.sampling import Sampler, greedy
-from tr_engine.speculative import accept, accept_sampled, compact, fits, stop, verify
-from tr_engine.tree import chain_tree
+from tr_engine.speculative import PhaseClock, prefill_and_seed, step, stop
 
 
 @dataclass
@@ -49,6 +49,8 @@ class Request:
     started: float = 0.0  # when its decoding began (after its prefill)
     cancelled: bool = False  # set from any thread: the request leaves at the next step boundary, its slot freed
     ignore_eos: bool = False  # decode past the end-of-sequence token, to max_new_tokens (a benchmark's fixed length)
+    seed_matrix: Callable | None = None  # seed_matrix(ids, logits): handed the prompt's logits at every position
+    phase_s: dict[str, float] = field(default_factory=dict)  # seconds by phase of the steps it was in (whole steps)
 
     @property
     def history(self) -> list[int]:
@@ -59,7 +61,7 @@ class Request:
                           prompt_tokens=len(self.prompt_ids), prefill_s=self.prefill_s,
                           decode_s=time.perf_counter() - self.started, steps=len(self.accept_lengths),
                           accept_lengths=self.accept_lengths, verify_tokens=self.verify_tokens,
-                          step_end_s=self.step_end_s)
+                          step_end_s=self.step_end_s, phase_s=self.phase_s)
 
 
 @dataclass
@@ -96,8 +98,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     the next step boundary with the error "cancelled"."""
     limit = cache.slots if limit is None else min(limit, cache.slots)
     source, active = requests if hasattr(requests, "take") else Listed(requests), {}
-    single = {}  # device -> the one-node tree of a plain step
-    adaptive = getattr(drafter, "adaptive", None)  # an adaptive tree learns what a batched step costs
+    clock, before = PhaseClock(), {}  # the steps' seconds by phase (the whole batch's), and at the last step's start
 
     def ends(r: Request) -> tuple[int, ...]:
         return () if r.ignore_eos else eos_ids
@@ -111,7 +112,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
             view.check_room(len(r.prompt_ids) + r.max_new_tokens, "the prompt plus --max-new-tokens")
             t0 = time.perf_counter()
             with torch.inference_mode():
-                logits = prefill(model, view, r.prompt_ids)
+                logits = prefill_and_seed(model, view, r.prompt_ids, r.seed_matrix)
                 first = int(greedy(logits, ops)) if r.sampler is None else r.sampler.draw(logits, 0)
         except UserError as e:
             cache.give_back(r.slot)
@@ -153,44 +154,17 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 if ended:
                     return
                 continue
-            with torch.inference_mode():
-                started = time.perf_counter()
-                order = sorted(active.values(), key=lambda r: r.id)
-                if drafter is None:  # plain decoding: each sequence's root alone
-                    device = cache.data.device
-                    tree = single.setdefault(device, chain_tree(0).to(device))
-                    drafts = [Draft(tree, torch.tensor([r.out[-1]], device=device), r.out[-1], len(r.history))
-                              for r in order]
-                elif len(order) > 1 and hasattr(drafter, "propose_batch"):  # one forward's budget split among them
-                    drafts = drafter.propose_batch([r.history for r in order])
-                else:
-                    drafts = [drafter.propose(r.history) for r in order]
-                drafts = [fits(d, cache.view(r.slot)) for r, d in zip(order, drafts)]
-                if len(order) == 1:  # one sequence: the single-sequence step (the same bits, less bookkeeping)
-                    logits = verify(model, cache.view(order[0].slot), drafts[0])
-                else:
-                    logits = verify_batch(model, cache, [r.slot for r in order], drafts)
-                rows = logits.split([d.tree.size for d in drafts])
-                committed = []
-                for r, draft, lg in zip(order, drafts, rows):
-                    if r.sampler is None:
-                        path, tokens = accept(draft, greedy(lg, ops))
-                    else:
-                        path, tokens = accept_sampled(draft, lg, r.sampler, len(r.out))
-                    compact(cache.view(r.slot), path, ops)
-                    if drafter is not None:
-                        drafter.learn(draft, tokens)
-                    committed.append(tokens)
-                if adaptive is not None:  # the whole forward's tokens, at the batch's mean prefix (plan_batch's price)
-                    total, prefix = sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts)
-                    adaptive.observe_step(total, prefix, time.perf_counter() - started)
-                if drafter is not None and len(drafts) > 1 and hasattr(drafter, "recycle_batch"):
-                    drafter.recycle_batch(drafts, logits)  # request order, then breadth-first: the last writer wins
-                elif drafter is not None:
-                    for draft, lg in zip(drafts, rows):
-                        drafter.recycle(draft, lg)
+            order = sorted(active.values(), key=lambda r: r.id)  # request order: the order they recycle in
+            slots = [r.slot for r in order]
+            drafts, committed = step(model, [cache.view(s) for s in slots], [r.history for r in order], drafter, ops,
+                                     [r.sampler for r in order], [len(r.out) for r in order],
+                                     verify_many=lambda drafts: verify_batch(model, cache, slots, drafts), clock=clock)
             now = time.perf_counter()
+            spent = {phase: clock.seconds[phase] - before.get(phase, 0.0) for phase in clock.seconds}
+            before = dict(clock.seconds)
             for r, draft, tokens in zip(order, drafts, committed):
+                for phase, seconds in spent.items():
+                    r.phase_s[phase] = r.phase_s.get(phase, 0.0) + seconds
                 tokens, finished = stop(tokens, len(r.out), r.max_new_tokens, ends(r))
                 r.step_end_s.append(now - r.started)
                 r.out += tokens

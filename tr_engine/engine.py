@@ -337,22 +337,26 @@ class Engine:
 
     def generate_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
                        method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                       seed: int | None = None, batch_size: int | None = None) -> list[GenerateResult]:
+                       seed: int | None = None, batch_size: int | None = None,
+                       seed_from_prompt: bool = False) -> list[GenerateResult]:
         """Answer many prompts at once, up to the engine's max_batch in each forward (more are queued and join as
         others finish): one GenerateResult per prompt, in order, each with exactly the tokens generate() gives that
         prompt alone (sampled: with `seed` + its index as its seed). A prompt that cannot run (empty, too long for
         the batch's per-sequence cache) gets a result with `error` set and no tokens; the others finish.
-        `batch_size` (at most max_batch, the default) caps the sequences in a forward."""
+        `batch_size` (at most max_batch, the default) caps the sequences in a forward. `seed_from_prompt`: each
+        prompt's prefill seeds the shared matrix, as in generate()."""
         return run_to_end(self.stream_batch(prompts, max_new_tokens, chat_template, method, temperature=temperature,
-                                            top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size))
+                                            top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
+                                            seed_from_prompt=seed_from_prompt))
 
     def stream_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
                      method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                     seed: int | None = None, batch_size: int | None = None):
+                     seed: int | None = None, batch_size: int | None = None, seed_from_prompt: bool = False):
         """Like generate_batch, yielding (prompt index, text piece) as each request's tokens are accepted; returns
         the results (`results = yield from engine.stream_batch(…)`)."""
         sampling = Sampling(temperature, top_k, top_p)
         checks.integer(max_new_tokens, "max_new_tokens", 1)
+        checks.flag(seed_from_prompt, "seed_from_prompt")
         check_seed(seed)
         if batch_size is not None:
             checks.integer(batch_size, "batch_size", 1, self.max_batch)
@@ -361,6 +365,9 @@ class Engine:
             raise InvalidType(f"prompts must be a list of prompts, got {type(prompts).__name__}")
         results: list[GenerateResult | None] = [None] * len(prompts)
         requests, decoders = [], {}
+        drafter = None if method == AR else self.priced(self.drafter(method))
+        matrix = getattr(drafter, "matrix", None)
+        seed_matrix = matrix.seed_ if seed_from_prompt and matrix is not None else None
         for i, prompt in enumerate(prompts):
             try:
                 ids = self.prompt_ids(prompt, chat_template)
@@ -368,9 +375,9 @@ class Engine:
                 results[i] = failed(f"prompt {i}: {e}")
                 continue
             request_seed = None if seed is None else (seed + i) % (checks.MAX_SEED + 1)
-            requests.append(Request(i, ids, max_new_tokens, self.sampler(sampling, request_seed)))
+            requests.append(Request(i, ids, max_new_tokens, self.sampler(sampling, request_seed),
+                                    seed_matrix=seed_matrix))
             decoders[i] = StreamDecoder(self.tokenizer, ids)
-        drafter = None if method == AR else self.priced(self.drafter(method))
         eos = self.tokenizer.eos_ids
         prompt_of = {r.id: r.prompt_ids for r in requests}
         for event in batch_steps(self.model, self.batch_cache(), requests, drafter, eos, self.ops, batch_size):

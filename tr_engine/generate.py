@@ -107,7 +107,7 @@ def answer_file(engine, prompts: list, args, sampling) -> int:
     results = engine.generate_batch([p if i not in bad else [] for i, p in enumerate(prompts)], args.max_new_tokens,
                                     chat_template=not args.no_template, method=args.method,
                                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                    seed=args.seed)
+                                    seed=args.seed, seed_from_prompt=args.seed_from_prompt)
     failed = 0
     for i, r in enumerate(results):
         error = f"prompt {i}: {bad[i]}" if i in bad else r.error

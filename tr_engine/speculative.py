@@ -9,9 +9,11 @@ distribution, and tests/test_sampling.py tests it).
 Cache invariant: slots 0..L-1 hold every committed token but the last one (the root of the next step).
 
 Read token_recycling_reference first: the whole algorithm in one function (the paper's static tree, greedy), with
-the matrix, the model and the ops called directly. speculative_steps below is the same loop for every drafter (the
-adaptive tree, prompt lookup, hybrid), with sampling, streaming, exact stopping and per-phase timing;
-tests/test_speculative.py holds the two to the same tokens.
+the matrix, the model and the ops called directly. `step` below is the same algorithm as the engine runs it: one
+forward for one sequence or many, for every drafter (the adaptive tree, prompt lookup, hybrid; none: a plain step),
+greedy or sampled, under tensor parallelism, timed by phase. speculative_steps drives it for one sequence, with
+streaming and exact stopping, and tr_engine/batch.py for many; tests/test_speculative.py holds the reference and the
+loop to the same tokens.
 """
 
 import time
@@ -24,7 +26,7 @@ from tr_engine.drafters import Draft
 from tr_engine.kv_cache import KVCache
 from tr_engine.model import Llama
 from tr_engine.sampling import Sampler, greedy
-from tr_engine.tree import truncate_tree
+from tr_engine.tree import DraftTree, chain_tree, truncate_tree
 
 
 @torch.inference_mode()
@@ -139,6 +141,78 @@ class PhaseClock:
         return now - self.step_start
 
 
+_ROOT_ALONE: dict[torch.device, DraftTree] = {}  # device -> the one-node tree of a plain step
+
+
+def retrieve(drafter, histories: list[list[int]], caches: list[KVCache]) -> list[Draft]:
+    """Each sequence's draft for this step, cut to the room its cache has left (fits): from the drafter (planned
+    together for several sequences where it can: one forward's budget split among them), or with no drafter the root
+    alone (a plain step)."""
+    if drafter is None:
+        device = caches[0].data.device
+        tree = _ROOT_ALONE.get(device)
+        if tree is None:
+            tree = _ROOT_ALONE[device] = chain_tree(0).to(device)
+        drafts = [Draft(tree, torch.tensor([h[-1]], device=device), h[-1], len(h)) for h in histories]
+    elif len(histories) > 1 and hasattr(drafter, "propose_batch"):
+        drafts = drafter.propose_batch(histories)
+    else:
+        drafts = [drafter.propose(h) for h in histories]
+    return [fits(d, c) for d, c in zip(drafts, caches)]
+
+
+@torch.inference_mode()
+def step(model: Llama, caches: list[KVCache], histories: list[list[int]], drafter, ops,
+         samplers: list[Sampler | None], done: list[int], verify_many=None,
+         clock: PhaseClock | None = None) -> tuple[list[Draft], list[list[int]]]:
+    """One forward for one sequence or many: retrieve -> verify -> accept -> compact -> learn -> recycle.
+
+    Sequence i has its own cache (`caches[i]`, holding all of `histories[i]` but its last token, the root), its
+    sampler (None: greedy) and `done[i]` tokens generated before this step (its sampled draws' index). One sequence
+    is verified by `verify`; several by `verify_many(drafts)`, one ragged forward over their caches
+    (tr_engine/batch.py). Greedy under tensor parallelism, one sequence's step needs of each node's logits only the
+    top-k over the whole vocabulary (the first for acceptance, all k for recycling): merged from the ranks' columns,
+    not gathered whole. Returns each sequence's draft and the tokens it commits (before stop rules: `stop`)."""
+    clock = clock or PhaseClock()
+    clock.start()
+    drafts = retrieve(drafter, histories, caches)
+    clock.lap("retrieve")
+    one = len(drafts) == 1
+    sharded = (one and drafter is not None and samplers[0] is None and model.shard.world > 1
+               and hasattr(drafter, "recycle_top"))
+    if sharded:
+        top_values, top_ids = model.top_k(verify(model, caches[0], drafts[0], gather=False), drafter.top_k)
+        rows = [None]
+    else:
+        logits = verify(model, caches[0], drafts[0]) if one else verify_many(drafts)
+        rows = [logits] if one else logits.split([d.tree.size for d in drafts])
+    clock.lap("verify")
+    accepted = [accept(d, top_ids[:, 0]) if sharded
+                else accept(d, greedy(lg, ops)) if sampler is None
+                else accept_sampled(d, lg, sampler, j)
+                for d, lg, sampler, j in zip(drafts, rows, samplers, done)]
+    clock.lap("accept")
+    for cache, (path, _) in zip(caches, accepted):
+        compact(cache, path, ops)
+    seconds = clock.lap("compact")  # drafting to compaction: what the adaptive tree prices
+    if drafter is not None:
+        for d, (_, tokens) in zip(drafts, accepted):  # (the adaptive tree's statistics; alone, its step times)
+            drafter.learn(d, tokens, seconds if one else 0.0)
+        adaptive = getattr(drafter, "adaptive", None)
+        if not one and adaptive is not None:  # the whole forward's tokens at the batch's mean prefix (plan_batch's)
+            adaptive.observe_step(sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts),
+                                  seconds)
+        if sharded:
+            drafter.recycle_top(drafts[0], top_values, top_ids)
+        elif not one and hasattr(drafter, "recycle_batch"):
+            drafter.recycle_batch(drafts, logits)  # in sequence order, then breadth-first: the last writer wins
+        else:
+            for d, lg in zip(drafts, rows):
+                drafter.recycle(d, lg)
+    clock.lap("recycle")
+    return drafts, [tokens for _, tokens in accepted]
+
+
 def prefill_and_seed(model: Llama, cache: KVCache, ids: list[int], seed_matrix=None) -> torch.Tensor:
     """Prefill `ids`; with `seed_matrix(ids, logits)`, hand it every position's logits (the matrix's prompt seeding).
     Returns the last position's logits [V]."""
@@ -185,31 +259,8 @@ def speculative_steps(
     yield list(out)
     history, accept_lengths, verify_tokens, clock = list(context_ids) + out, [], [], PhaseClock()
     finished = out[0] in eos_ids or max_new_tokens == 1
-    # Greedy under tensor parallelism, a step needs of each node's logits only its top-k over the whole vocabulary
-    # (the first for acceptance, all k for recycling): merged from the ranks' columns, not gathered whole.
-    sharded = sampler is None and model.shard.world > 1 and hasattr(drafter, "recycle_top")
     while not finished:
-        with torch.inference_mode():
-            clock.start()
-            draft = fits(drafter.propose(history), cache)
-            clock.lap("retrieve")
-            if sharded:
-                top_values, top_ids = model.top_k(verify(model, cache, draft, gather=False), drafter.top_k)
-            else:
-                logits = verify(model, cache, draft)
-            clock.lap("verify")
-            if sampler is not None:
-                path, committed = accept_sampled(draft, logits, sampler, len(out))
-            else:
-                path, committed = accept(draft, top_ids[:, 0] if sharded else greedy(logits, ops))
-            clock.lap("accept")
-            compact(cache, path, ops)
-            drafter.learn(draft, committed, clock.lap("compact"))  # (the adaptive tree's statistics and step times)
-            if sharded:
-                drafter.recycle_top(draft, top_values, top_ids)
-            else:
-                drafter.recycle(draft, logits)
-            clock.lap("recycle")
+        (draft,), (committed,) = step(model, [cache], [history], drafter, ops, [sampler], [len(out)], clock=clock)
         committed, finished = stop(committed, len(out), max_new_tokens, eos_ids)
         out += committed
         history += committed
