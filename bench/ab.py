@@ -13,9 +13,10 @@ identical, and where the ratio comes from: forwards, milliseconds per forward, t
 
 Two measurements of one machine's curve differ by a few percent, and the trees planned from them differ with them:
 this checkout against itself read 0.986x on SmolLM2 fp32 hybrid (1337 against 1387 forwards; 8-token verifies priced
-at 1.43 and 1.55 plain steps). `--shared-curve` takes the plan out of the comparison: the after side measures the
-curve and the before side plans with the same one, so that where both are exact they draft the same trees and the
-ratio is the kernels' and the loop's alone.
+at 1.43 and 1.55 plain steps). `--shared-curve` takes the calibration out of the comparison: the after side measures
+the curve and the before side plans with the same one. The trees can still part: each side corrects its prices
+online from its own step times (tr_engine/adaptive.py, StepTimes), and one different tree sends the recycling matrix
+down another path. So read the forwards and ms per forward beside the ratio, and a few percent either way as noise.
 """
 
 import json
