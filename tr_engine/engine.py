@@ -332,8 +332,7 @@ class Engine:
         tail = decoder.flush()
         if tail:
             yield tail
-        text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
-        return GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, ids, gen)
+        return self.result(ids, gen)
 
     def generate_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
                        method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -392,10 +391,14 @@ class Engine:
                 tail = decoders[i].flush()
                 if tail:
                     yield i, tail
-                gen = event.done
-                text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
-                results[i] = GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, prompt_of[i], gen)
+                results[i] = self.result(prompt_of[i], event.done)
         return results
+
+    def result(self, prompt_ids: list[int], gen: Generation) -> GenerateResult:
+        """A generation as the API returns it: its text (without the end-of-sequence token that ended it), ids and
+        timings."""
+        text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
+        return GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, prompt_ids, gen)
 
     def priced(self, drafter):
         """The drafter, its adaptive tree (if any) pricing its steps by the engine's current cost curve, unless it
