@@ -14,7 +14,7 @@ from tr_engine.decode import plain_generate
 from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
-from tr_engine.speculative import speculative_generate
+from tr_engine.batch import speculative_generate
 from tr_engine.tree import build_tree, graft_chain, load_tree
 from tr_engine.weights import load_model
 

@@ -21,7 +21,7 @@ from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
 from tr_engine.ops import load_ops
 from tr_engine.sampling import Sampler, Sampling, greedy, gumbel_noise, probabilities, sample
-from tr_engine.speculative import speculative_generate
+from tr_engine.batch import speculative_generate
 from tr_engine.tree import load_tree
 from tr_engine.weights import load_model
 

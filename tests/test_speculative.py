@@ -14,7 +14,8 @@ from tr_engine.engine import shared_prefix
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
 from tr_engine.sampling import Sampler, Sampling
-from tr_engine.speculative import accept, speculative_generate, token_recycling_reference
+from tr_engine.batch import speculative_generate
+from tr_engine.speculative import accept, token_recycling_reference
 from tr_engine.tree import build_tree, chain_tree, load_tree
 from tr_engine.weights import load_model
 

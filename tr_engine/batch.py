@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tr_engine.decode import Generation
+from tr_engine.decode import Generation, run_to_end, uncached
 from tr_engine.drafters import Draft
 from tr_engine.errors import UserError
-from tr_engine.kv_cache import BatchKVCache
+from tr_engine.kv_cache import BatchKVCache, KVCache, OneSlot
 from tr_engine.model import Llama, RaggedBatch
 from tr_engine.sampling import Sampler, greedy
-from tr_engine.speculative import PhaseClock, prefill_and_seed, step, stop
+from tr_engine.speculative import PHASES, PhaseClock, prefill_and_seed, step, stop
 
 
 @dataclass
@@ -50,7 +50,8 @@ class Request:
     cancelled: bool = False  # set from any thread: the request leaves at the next step boundary, its slot freed
     ignore_eos: bool = False  # decode past the end-of-sequence token, to max_new_tokens (a benchmark's fixed length)
     seed_matrix: Callable | None = None  # seed_matrix(ids, logits): handed the prompt's logits at every position
-    phase_s: dict[str, float] = field(default_factory=dict)  # seconds by phase of the steps it was in (whole steps)
+    prefilled: int = 0  # prompt tokens its prefill ran (those its cache did not hold already)
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # its steps', by phase
 
     @property
     def history(self) -> list[int]:
@@ -58,7 +59,7 @@ class Request:
 
     def generation(self, eos_ids) -> Generation:
         return Generation(token_ids=self.out, finish_reason="eos" if self.out and self.out[-1] in eos_ids else "length",
-                          prompt_tokens=len(self.prompt_ids), prefill_s=self.prefill_s,
+                          prompt_tokens=self.prefilled, prefill_s=self.prefill_s,
                           decode_s=time.perf_counter() - self.started, steps=len(self.accept_lengths),
                           accept_lengths=self.accept_lengths, verify_tokens=self.verify_tokens,
                           step_end_s=self.step_end_s, phase_s=self.phase_s)
@@ -109,10 +110,11 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
         try:
             if not r.prompt_ids:
                 raise UserError("the prompt is empty; give some text to answer")
-            view.check_room(len(r.prompt_ids) + r.max_new_tokens, "the prompt plus --max-new-tokens")
+            new = uncached(view, r.prompt_ids)  # (a batch's slot holds nothing; a conversation's cache, its turns)
+            view.check_room(len(new) + r.max_new_tokens, "the prompt plus --max-new-tokens")
             t0 = time.perf_counter()
             with torch.inference_mode():
-                logits = prefill_and_seed(model, view, r.prompt_ids, r.seed_matrix)
+                logits = prefill_and_seed(model, view, new, r.seed_matrix)
                 first = int(greedy(logits, ops)) if r.sampler is None else r.sampler.draw(logits, 0)
         except UserError as e:
             cache.give_back(r.slot)
@@ -121,7 +123,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
             cache.give_back(r.slot)
             raise
         r.started = time.perf_counter()
-        r.prefill_s = r.started - t0
+        r.prefill_s, r.prefilled = r.started - t0, len(new)
         r.out.append(first)
         active[r.id] = r
         return Event(r.id, [first])
@@ -193,3 +195,27 @@ def verify_batch(model: Llama, cache: BatchKVCache, slots: list[int], drafts: li
     batch = RaggedBatch(slots=slots, prefix_lens=prefix, offsets=offsets,
                         tree_masks=torch.cat([d.tree.mask.reshape(-1) for d in drafts]), seq=seq, pos=pos)
     return model(tokens, positions, cache.data, 0, batch=batch)
+
+
+def speculative_steps(model: Llama, cache: KVCache, context_ids: list[int], drafter, max_new_tokens: int,
+                      eos_ids: tuple[int, ...], ops, seed_matrix=None, sampler: Sampler | None = None):
+    """One sequence through batch_steps, in `cache` (which may hold the start of `context_ids` already: only the rest
+    is prefilled), drafting with `drafter`: yields each step's committed tokens (the first token alone first), greedy
+    or, with `sampler`, sampled; `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every
+    prefilled position (Token Recycling's optional prompt seeding). Returns the Generation; a request that cannot run
+    (too long for the cache) raises its one-line error."""
+    request = Request(0, list(context_ids), max_new_tokens, sampler, seed_matrix=seed_matrix)
+    for event in batch_steps(model, OneSlot(cache), [request], drafter, eos_ids, ops):
+        if event.error is not None:
+            raise UserError(event.error)
+        yield event.tokens
+        if event.done is not None:
+            return event.done
+
+
+def speculative_generate(model, cache, context_ids, drafter, max_new_tokens, eos_ids, ops,
+                         seed_matrix=None, sampler: Sampler | None = None) -> Generation:
+    """speculative_steps without streaming."""
+    return run_to_end(speculative_steps(model, cache, context_ids, drafter, max_new_tokens, eos_ids, ops,
+                                        seed_matrix, sampler))
+

@@ -15,7 +15,7 @@ import torch
 from tr_engine import checks, cpu, parallel
 from tr_engine.decode import Generation, plain_steps, run_to_end
 from tr_engine.adaptive import AdaptiveTrees
-from tr_engine.batch import Request, batch_steps
+from tr_engine.batch import Request, batch_steps, speculative_steps
 from tr_engine.cost import BUCKETS, CostModel, cost_key, cost_path
 from tr_engine.drafters import DrafterSetup
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
@@ -27,7 +27,6 @@ from tr_engine.model import Llama
 from tr_engine.models import home, resolve_model
 from tr_engine.ops import is_compiled, resolve_ops
 from tr_engine.sampling import GREEDY, Sampler, Sampling
-from tr_engine.speculative import speculative_steps
 from tr_engine.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 from tr_engine.tree import load_tree
 from tr_engine.weights import load_model, parse_dtype

@@ -71,3 +71,32 @@ class BatchKVCache:
 
     def give_back(self, slot: int) -> None:
         self._free.append(slot)
+
+
+class OneSlot:
+    """A single sequence's cache as a batch of one slot, for the decode driver (tr_engine/batch.py), so that one
+    request runs through the same loop as many. Unlike a batch's slot, taking it keeps what it holds: the earlier turns
+    of a conversation, which the request's prefill then skips."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.data = cache.data
+        self._taken = False
+
+    @property
+    def slots(self) -> int:
+        return 1
+
+    def view(self, slot: int) -> KVCache:
+        return self.cache
+
+    def free(self) -> int:
+        return 0 if self._taken else 1
+
+    def take(self) -> int:
+        self._taken = True
+        return 0
+
+    def give_back(self, slot: int) -> None:
+        self._taken = False
+

@@ -11,9 +11,9 @@ Cache invariant: slots 0..L-1 hold every committed token but the last one (the r
 Read token_recycling_reference first: the whole algorithm in one function (the paper's static tree, greedy), with
 the matrix, the model and the ops called directly. `step` below is the same algorithm as the engine runs it: one
 forward for one sequence or many, for every drafter (the adaptive tree, prompt lookup, hybrid; none: a plain step),
-greedy or sampled, under tensor parallelism, timed by phase. speculative_steps drives it for one sequence, with
-streaming and exact stopping, and tr_engine/batch.py for many; tests/test_speculative.py holds the reference and the
-loop to the same tokens.
+greedy or sampled, under tensor parallelism, timed by phase. The decode driver (tr_engine/batch.py: admit, step,
+stop, retire) runs it for one sequence (speculative_steps, with streaming and exact stopping) or many;
+tests/test_speculative.py holds the reference and the loop to the same tokens.
 """
 
 import time
@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from tr_engine.decode import Generation, prefill, run_to_end, uncached
+from tr_engine.decode import prefill
 from tr_engine.drafters import Draft
 from tr_engine.kv_cache import KVCache
 from tr_engine.model import Llama
@@ -231,52 +231,3 @@ def stop(committed: list[int], done: int, max_new_tokens: int, eos_ids: tuple[in
     if eos_at is not None:
         committed = committed[: eos_at + 1]
     return committed, eos_at is not None or done + len(committed) >= max_new_tokens
-
-
-def speculative_steps(
-    model: Llama,
-    cache: KVCache,
-    context_ids: list[int],
-    drafter,
-    max_new_tokens: int,
-    eos_ids: tuple[int, ...],
-    ops,
-    seed_matrix=None,
-    sampler: Sampler | None = None,
-):
-    """Like plain_steps, committing 1..depth+1 tokens per forward and yielding each step's committed tokens, greedy
-    or, with `sampler`, sampled; `ops` (tr_engine.ops) compacts the cache. `seed_matrix(ids, logits)`, if given,
-    receives the prefill's logits at every prefilled position (Token Recycling's optional prompt seeding). Returns
-    the Generation."""
-    new = uncached(cache, context_ids)
-    # The same room as plain decoding: near the end of the cache a draft is cut to the slots left (fits).
-    cache.check_room(len(new) + max_new_tokens, "the prompt plus --max-new-tokens")
-    t0 = time.perf_counter()
-    first = prefill_and_seed(model, cache, new, seed_matrix)
-    t1 = time.perf_counter()
-    with torch.inference_mode():
-        out = [int(greedy(first, ops)) if sampler is None else sampler.draw(first, 0)]
-    yield list(out)
-    history, accept_lengths, verify_tokens, clock = list(context_ids) + out, [], [], PhaseClock()
-    finished = out[0] in eos_ids or max_new_tokens == 1
-    while not finished:
-        (draft,), (committed,) = step(model, [cache], [history], drafter, ops, [sampler], [len(out)], clock=clock)
-        committed, finished = stop(committed, len(out), max_new_tokens, eos_ids)
-        out += committed
-        history += committed
-        accept_lengths.append(len(committed))
-        verify_tokens.append(draft.tree.size)
-        yield committed
-    # A step may have cached accepted tokens past an EOS or max_new_tokens; the cache keeps only the sequence,
-    # every committed token but the last (the invariant above).
-    cache.length = min(cache.length, len(context_ids) + len(out) - 1)
-    return Generation(token_ids=out, finish_reason="eos" if out[-1] in eos_ids else "length", prompt_tokens=len(new),
-                      prefill_s=t1 - t0, decode_s=time.perf_counter() - t1, steps=len(accept_lengths),
-                      accept_lengths=accept_lengths, phase_s=clock.seconds, verify_tokens=verify_tokens)
-
-
-def speculative_generate(model, cache, context_ids, drafter, max_new_tokens, eos_ids, ops,
-                         seed_matrix=None, sampler: Sampler | None = None) -> Generation:
-    """speculative_steps without streaming."""
-    return run_to_end(speculative_steps(model, cache, context_ids, drafter, max_new_tokens, eos_ids, ops,
-                                        seed_matrix, sampler))
