@@ -1,4 +1,6 @@
-"""Batched decoding: up to N sequences in one forward per step, each exactly what it would be decoded alone.
+"""The decode driver: requests admitted (prefilled), stepped (tr_engine/speculative.py's `step`), stopped and
+retired, up to N sequences in one forward per step, each exactly what it would be decoded alone. One sequence runs
+through the same loop (speculative_steps: its cache as a one-slot batch, kv_cache.OneSlot).
 
 Every step, each active sequence drafts as it would alone (the same drafter object for all: its per-step state
 travels in the Draft, and Token Recycling's matrix is shared, so every sequence teaches every other), and one
