@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tr_engine import checks, cpu, parallel
-from tr_engine.decode import Generation, plain_steps, run_to_end
+from tr_engine.decode import Generation, run_to_end
 from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.batch import Request, batch_steps, speculative_steps
 from tr_engine.cost import BUCKETS, CostModel, cost_key, cost_path
@@ -431,13 +431,11 @@ class Engine:
         # The loop writes only after these slots, so an interrupted call (Ctrl-C) still leaves them to reuse.
         self.cached_ids = ids[: self.cache.length]
         eos = self.tokenizer.eos_ids
-        if method == AR:
-            gen = yield from plain_steps(self.runner, self.cache, ids, max_new_tokens, eos, sampler)
-        else:
-            matrix = getattr(drafter, "matrix", None)
-            seed_fn = matrix.seed_ if seed_from_prompt and matrix is not None else None
-            gen = yield from speculative_steps(self.runner, self.cache, ids, drafter, max_new_tokens, eos,
-                                               self.ops, seed_fn, sampler)
+        drafter = None if method == AR else drafter  # (None: plain steps, the root alone, through the same loop)
+        matrix = getattr(drafter, "matrix", None)
+        seed_fn = matrix.seed_ if seed_from_prompt and matrix is not None else None
+        gen = yield from speculative_steps(self.runner, self.cache, ids, drafter, max_new_tokens, eos, self.ops,
+                                           seed_fn, sampler)
         self.cached_ids = (ids + gen.token_ids)[: self.cache.length]
         return gen
 
