@@ -54,10 +54,14 @@ class Request:
     seed_matrix: Callable | None = None  # seed_matrix(ids, logits): handed the prompt's logits at every position
     prefilled: int = 0  # prompt tokens its prefill ran (those its cache did not hold already)
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # its steps', by phase
+    history: list[int] = field(init=False, repr=False)  # the prompt and the answer so far, kept as they grow
 
-    @property
-    def history(self) -> list[int]:
-        return self.prompt_ids + self.out
+    def __post_init__(self):
+        self.history = list(self.prompt_ids) + self.out
+
+    def commit(self, tokens: list[int]) -> None:
+        self.out += tokens
+        self.history += tokens
 
     def generation(self, eos_ids) -> Generation:
         return Generation(token_ids=self.out, finish_reason="eos" if self.out and self.out[-1] in eos_ids else "length",
@@ -126,7 +130,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
             raise
         r.started = time.perf_counter()
         r.prefill_s, r.prefilled = r.started - t0, len(new)
-        r.out.append(first)
+        r.commit([first])
         active[r.id] = r
         return Event(r.id, [first])
 
@@ -168,10 +172,10 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
             before = dict(clock.seconds)
             for r, draft, tokens in zip(order, drafts, committed):
                 for phase, seconds in spent.items():
-                    r.phase_s[phase] = r.phase_s.get(phase, 0.0) + seconds
+                    r.phase_s[phase] += seconds
                 tokens, finished = stop(tokens, len(r.out), r.max_new_tokens, ends(r))
                 r.step_end_s.append(now - r.started)
-                r.out += tokens
+                r.commit(tokens)
                 r.accept_lengths.append(len(tokens))
                 r.verify_tokens.append(draft.tree.size)
                 yield Event(r.id, tokens, done=finish(r) if finished else None)
@@ -206,7 +210,7 @@ def speculative_steps(model: Llama, cache: KVCache, context_ids: list[int], draf
     or, with `sampler`, sampled; `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every
     prefilled position (Token Recycling's optional prompt seeding). Returns the Generation; a request that cannot run
     (too long for the cache) raises its one-line error."""
-    request = Request(0, list(context_ids), max_new_tokens, sampler, seed_matrix=seed_matrix)
+    request = Request(0, context_ids, max_new_tokens, sampler, seed_matrix=seed_matrix)
     for event in batch_steps(model, OneSlot(cache), [request], drafter, eos_ids, ops):
         if event.error is not None:
             raise UserError(event.error)
@@ -220,4 +224,3 @@ def speculative_generate(model, cache, context_ids, drafter, max_new_tokens, eos
     """speculative_steps without streaming."""
     return run_to_end(speculative_steps(model, cache, context_ids, drafter, max_new_tokens, eos_ids, ops,
                                         seed_matrix, sampler))
-

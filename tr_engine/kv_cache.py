@@ -80,7 +80,6 @@ class OneSlot:
 
     def __init__(self, cache: KVCache):
         self.cache = cache
-        self.data = cache.data
         self._taken = False
 
     @property
@@ -99,4 +98,3 @@ class OneSlot:
 
     def give_back(self, slot: int) -> None:
         self._taken = False
-
