@@ -364,8 +364,7 @@ class Engine:
         results: list[GenerateResult | None] = [None] * len(prompts)
         requests, decoders = [], {}
         drafter = None if method == AR else self.priced(self.drafter(method))
-        matrix = getattr(drafter, "matrix", None)
-        seed_matrix = matrix.seed_ if seed_from_prompt and matrix is not None else None
+        seed_matrix = seeder(drafter, seed_from_prompt)
         for i, prompt in enumerate(prompts):
             try:
                 ids = self.prompt_ids(prompt, chat_template)
@@ -431,11 +430,9 @@ class Engine:
         # The loop writes only after these slots, so an interrupted call (Ctrl-C) still leaves them to reuse.
         self.cached_ids = ids[: self.cache.length]
         eos = self.tokenizer.eos_ids
-        drafter = None if method == AR else drafter  # (None: plain steps, the root alone, through the same loop)
-        matrix = getattr(drafter, "matrix", None)
-        seed_fn = matrix.seed_ if seed_from_prompt and matrix is not None else None
+        # (ar: no drafter, each step the root alone, through the same loop)
         gen = yield from speculative_steps(self.runner, self.cache, ids, drafter, max_new_tokens, eos, self.ops,
-                                           seed_fn, sampler)
+                                           seeder(drafter, seed_from_prompt), sampler)
         self.cached_ids = (ids + gen.token_ids)[: self.cache.length]
         return gen
 
@@ -452,6 +449,13 @@ class Engine:
         """Forget the cached conversation (the next call prefills its whole prompt)."""
         self.cache.reset()
         self.cached_ids = []
+
+
+def seeder(drafter, seed_from_prompt: bool):
+    """What receives a prompt's prefill logits to seed the recycling matrix (--seed-from-prompt): the drafter's
+    matrix's seed_, or None (not asked for, or a drafter without a matrix)."""
+    matrix = getattr(drafter, "matrix", None)
+    return matrix.seed_ if seed_from_prompt and matrix is not None else None
 
 
 def failed(error: str) -> GenerateResult:
