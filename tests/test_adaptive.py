@@ -314,11 +314,23 @@ def test_sizes_too_dear_to_pay_are_not_timed_but_extrapolated(tiny, one_thread):
     assert fractions == sorted(fractions) and fractions[-1] == 1.0 and len(fractions) > 10  # the notice's progress
 
 
+def test_the_doubt_names_the_worst_inversion_not_the_first():
+    """A spell of noise can put a 2-token verify a little under a 1-token one; a curve that has a 5-token verify at a
+    quarter of a 4-token one is named by that, the inversion that matters."""
+    from tr_engine.cost import doubts
+
+    steady = {"before": [0.010] * 3, "after": [0.010] * 3}
+    seconds = {1: 0.010, 2: 0.0070, 3: 0.011, 4: 0.040, 5: 0.010, 6: 0.041}
+    assert doubts(seconds, steady) == "a 5-token verify timed under a 4-token one"
+    assert doubts({1: 0.010, 2: 0.011, 3: 0.012}, steady) is None
+
+
 @pytest.mark.parametrize("spell", ["busy", "inverted"])
 def test_a_noisy_or_inverted_measurement_is_measured_again_and_not_cached(tiny, tiny_factory, spell, tmp_path,
                                                                           monkeypatch, one_thread):
     """A busy spell (plain steps 3x slower by the end of each measurement) or a curve no machine gives (a 5-token
-    verify far cheaper than a 4-token one): measured once more, then used with its doubt, and never saved."""
+    verify far cheaper than a 4-token one, which the doubt names): measured once more, then used with its doubt, and
+    never saved."""
     from tr_engine.engine import Engine
 
     def seconds(T, call):
@@ -330,7 +342,7 @@ def test_a_noisy_or_inverted_measurement_is_measured_again_and_not_cached(tiny, 
     timed = Timed(tiny, seconds)
     fractions = []
     cm = CostModel.measure(timed, KVCache(tiny.config, 200, torch.float64, "cpu"), {}, progress=fractions.append)
-    assert cm.doubt is not None and ("took" in cm.doubt if spell == "busy" else "5-token" in cm.doubt), cm.doubt
+    assert cm.doubt is not None and ("took" in cm.doubt if spell == "busy" else "under a 4-token" in cm.doubt), cm.doubt
     assert timed.calls.count(104) == 4  # each prefix prefilled twice: a second try
     assert fractions == sorted(fractions) and fractions[-1] == 1.0  # the notice climbs on through the second try
     # Through the engine: the doubtful curve serves, the notice says why, and nothing is cached.
