@@ -179,7 +179,8 @@ def test_a_packed_model_runs_decode_and_verify_steps_as_one_op(tiny_bf16):
         got = engine.generate("a b c a b c", max_new_tokens=12, method="hybrid").token_ids
     finally:
         ops.decoder_layers = real
-    assert steps == 11 and set(calls[:steps]) == {1}  # one call a decode step; the prompt ran the module path
+    # one call for the prompt (a causal chunk through the same op: row-independent), then one a decode step
+    assert steps == 12 and calls[0] == len(engine.prompt_ids("a b c a b c")) and set(calls[1:steps]) == {1}
     assert got == want and len(calls) > steps
     logits = {}
     for fused in (False, True):  # the module path computes the same model, within a rounding

@@ -59,6 +59,26 @@ def test_incremental_decode_matches_full_forward(tiny_factory):
     torch.testing.assert_close(torch.cat(pieces), full, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_models_prompt_caches_the_same_bits_whole_in_chunks_or_token_by_token(tiny_factory, dtype):
+    """Row independence reaches the prompt: a packed CPU model's prompt chunk runs through the decode steps' op, so a
+    prompt prefilled whole, in chunks (a conversation's turns, a server slot's reused prefix) or one token at a time
+    gives the same logits and caches the same K/V, bit for bit, across a 256-key block of the attention."""
+    folder = tiny_factory("packed-prompt", dtype=torch.bfloat16, vocab_size=300, std=0.5)
+    model = load_model(folder, dtype)
+    assert model.fused_layers  # (the compiled kernels' packed model: the layers as one op)
+    ids = torch.randint(0, 300, (300,), generator=torch.Generator().manual_seed(3))
+    model.set_max_positions(320)
+    runs = []
+    for cuts in [(0, 300), (0, 100, 101, 257, 300), (0, 250, *range(251, 301))]:
+        cache = KVCache(model.config, 320, dtype, "cpu")
+        with torch.inference_mode():
+            logits = torch.cat([model(ids[a:b], torch.arange(a, b), cache.data, a) for a, b in zip(cuts, cuts[1:])])
+        runs.append((logits, cache.data[:, :, :, :300].clone()))
+    for logits, kv in runs[1:]:
+        assert torch.equal(logits, runs[0][0]) and torch.equal(kv, runs[0][1])
+
+
 def test_tree_mask_equals_separate_causal_branches(tiny_factory):
     """Two branches verified in one forward with a tree mask give each branch's causal logits (the verify contract)."""
     folder = tiny_factory("float32", dtype=torch.float64)

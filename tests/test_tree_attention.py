@@ -169,6 +169,24 @@ def test_a_tree_row_is_bitwise_its_decode_step(dtype, P, heads, D):
             assert torch.equal(got[t], as_decode_step(q, k, v, P, mask, t)), f"token {t}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("P", [0, 250, 511])
+@pytest.mark.parametrize("heads,D", [((9, 3), 64), ((4, 4), 64)], ids=["gqa9x3", "mha4"])
+def test_a_causal_chunk_row_is_bitwise_its_decode_step(dtype, P, heads, D):
+    """A prompt's chunk (a causal mask, attended as a prefix each row sees up to itself): each row is the decode step
+    at its position, across 256-key blocks and with the rows of one task on both sides of a block's end, so a prompt
+    prefilled whole, in chunks or token by token caches the same bits (what prefix reuse relies on)."""
+    T = 300
+    q, k, v, g = operands(T, P, *heads, D, dtype, seed=P + 7, S=P + T + 5)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    got = kernels.tree_attention(q, k, v, P, causal, 0.125)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    for t in range(T):
+        assert torch.equal(got[t], kernels.tree_attention(q[t : t + 1], k, v, P + t, one, 0.125)[0]), f"token {t}"
+    torch.testing.assert_close(got.double(), truth(q, k, v, P, causal, 0.125), atol=2e-2 if dtype == torch.bfloat16
+                               else 2e-5, rtol=2e-2 if dtype == torch.bfloat16 else 2e-5)
+
+
 # tree_attention_dynamic: the prefix length as a device tensor, so that one captured CUDA graph serves every prefix.
 
 

@@ -278,7 +278,7 @@ class Llama(nn.Module):
 
     def fused_rows(self, T: int, start, mask: AttentionMask) -> RaggedBatch | None:
         """The rows of a forward that may run through ops.decoder_layers, as a ragged batch, or None: a packed CPU
-        model's decode and verify steps (a tree mask, or a batch); prompt chunks take the module path."""
+        model's decode and verify steps (a tree mask, or a batch) and its prompt chunks (a causal tree mask)."""
         if not self.fused_layers:
             return None
         if mask.batch is not None:
@@ -308,8 +308,8 @@ class Llama(nn.Module):
         kv_cache [L, 2, Hkv, S, D], updated in place: the new tokens' K/V go to slots start..start+T-1;
         tree_mask None for causal attention among the new tokens, else bool [T, T], True where token i may attend
         to token j (a tree token sees its ancestors and itself). Every new token sees all P cached tokens. A tree (and
-        on a CPU a single decode token) goes through the ops' tree_attention; a causal chunk of a prompt (and a GPU
-        decode token) through PyTorch's fused attention.
+        on a CPU a single decode token, or a packed model's prompt chunk) goes through the ops' tree_attention; a
+        causal chunk of a prompt otherwise (and a GPU decode token) through PyTorch's fused attention.
         `start` may also be a one-element int64 tensor on the model's device (with a tree_mask; T = 1 takes [[True]]):
         then nothing in the forward depends on the prefix length on the host, and a CUDA graph of it replays at every
         prefix (tr_engine/graphs.py). The caller keeps start + T within the cache.
@@ -337,6 +337,12 @@ class Llama(nn.Module):
             mask = AttentionMask(tree=self.one_node)
         elif T == 1:
             mask = AttentionMask()  # a GPU decode step: PyTorch's fused attention, nothing to mask
+        elif self.fused_layers:
+            # A packed CPU model's prompt chunk: a causal "tree" through the same op as its decode steps, each row
+            # the bits of the decode step at its position (the kernel attends a causal chunk as a growing prefix). A
+            # prompt prefilled whole, in chunks, or after a cached prefix (the next turn, a slot's reused prefix)
+            # then caches the same K/V and gives the same logits: what makes prefix reuse exact.
+            mask = AttentionMask(tree=torch.ones(T, T, dtype=torch.bool).tril())
         elif start == 0 and device.type == "cpu":
             mask = AttentionMask(causal=True)
         else:

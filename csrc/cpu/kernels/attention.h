@@ -35,6 +35,11 @@ constexpr int64_t kRows = 6;
 constexpr int64_t kCols = kLanes == 16 ? 64 : 16;
 constexpr int64_t kKeyPad = 16;  // prefix keys are padded to a multiple of this (one vector), not of kCols
 constexpr int64_t kKeyBlock = 256;  // keys per softmax block: 6 rows of scores stay in L1 (6 KB)
+// A causal chunk (a prompt's) is attended as a prefix that each row sees up to itself (attend_rows): the rows of one
+// task end at most kRows keys apart, so the keys past their last shared block are fewer than this.
+constexpr int64_t kTailWidth = kKeyBlock + kKeyPad * ((kRows + kKeyPad - 1) / kKeyPad);
+// From this many tokens on, a causal mask (a lower triangle of ones) is attended that way rather than as a tree.
+constexpr int64_t kCausalMin = 16;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -321,14 +326,14 @@ template <typename scalar_t, typename Acc>
 struct TaskScratch {
   int64_t Tp;                           // T rounded up to kKeyPad
   Aligned<Acc> qs, s, s_tail, s_tree, ku, o;
-  // [R, D] scaled queries; [R, kKeyBlock] one block's scores; [R, kKeyBlock] scores of the prefix keys past the last
-  // full block; [R, Tp] scores of the tree keys the task sees; [D, Tp] those keys, transposed; [R, D] outputs
+  // [R, D] scaled queries; [R, kKeyBlock] one block's scores; [R, kTailWidth] scores of the prefix keys past the
+  // last full block; [R, Tp] scores of the tree keys the task sees; [D, Tp] those keys, transposed; [R, D] outputs
   std::vector<const scalar_t*> value_rows;  // [kKeyBlock] the value rows of one block
   std::vector<int64_t> tree_keys;           // the union of the task's tokens' visible tree keys (indices into the tree)
   std::vector<int64_t> own;                 // one token's visible keys, as positions in tree_keys
   std::unique_ptr<bool[]> seen;             // [T] membership in that union
   TaskScratch(int64_t D, int64_t T)
-      : Tp(round_up(T, kKeyPad)), qs(kRows * D), s(kRows * kKeyBlock), s_tail(kRows * kKeyBlock),
+      : Tp(round_up(T, kKeyPad)), qs(kRows * D), s(kRows * kKeyBlock), s_tail(kRows * kTailWidth),
         s_tree(kRows * Tp), ku(D * Tp), o(kRows * D), value_rows(kKeyBlock), seen(new bool[T]) {
     tree_keys.reserve(T);
     own.reserve(T);
@@ -361,13 +366,20 @@ TaskScratch<scalar_t, Acc>& task_scratch(int64_t D, int64_t T) {
 //  - Blocks wholly inside the prefix are shared by all the task's rows: scores against all their keys in one tile.
 //  - The rest (the prefix tail past the last full block, then tree keys) differs by token: the tail's and the
 //    task's tree keys' scores are computed once for all rows, then each token's rows copy theirs into its blocks.
+//  - A causal chunk (`causal`: a prompt's tokens, token t seeing the chunk's tokens 0..t) has no tree part: b holds
+//    the chunk's keys as prefix keys (b.P = the cached prefix + the chunk), and token t's row sees the prefix keys up
+//    to its own, b.P - T + t + 1 of them. Its sequence is then the decode step's at that prefix, key for key, cut into
+//    the same blocks: a prompt prefilled in one chunk, in several, or a token at a time gives the same bits.
 template <typename scalar_t, typename Acc, int64_t R>
 void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, HeadKeys<Acc>& b, bool windowed,
                  const scalar_t* k, const scalar_t* v, int64_t ldv, const bool* mask, const int64_t* tok,
-                 const int64_t* qhead, TaskScratch<scalar_t, Acc>& w, scalar_t* out, int64_t Hq) {
-  const int64_t D = b.D, P = b.P, T = b.T;
+                 const int64_t* qhead, TaskScratch<scalar_t, Acc>& w, scalar_t* out, int64_t Hq, bool causal) {
+  const int64_t D = b.D, P = b.P, T = causal ? 0 : b.T;
   if (windowed) fill_keys(b, k, ldv, P, P + T);  // the tree keys (a window's prefix slots come block by block)
-  constexpr int64_t lds = kKeyBlock;
+  // The prefix keys each token's rows see: all P, or in a causal chunk of n tokens (b.T), those up to its own.
+  const auto seen_prefix = [&](int64_t t) { return causal ? P - b.T + t + 1 : P; };
+  const int64_t shared = seen_prefix(tok[0]), last = seen_prefix(tok[R - 1]);  // (rows are token-major)
+  constexpr int64_t lds = kKeyBlock, ldtail = kTailWidth;
   Acc* qs = w.qs.get();
   for (int64_t r = 0; r < R; ++r) {
     const scalar_t* qr = q + tok[r] * q_strides[0] + qhead[r] * q_strides[1];
@@ -377,7 +389,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   // distinct token's mask row is OR-ed in once.
   bool* seen = w.seen.get();
   std::fill(seen, seen + T, false);
-  for (int64_t r = 0; r < R; ++r)
+  for (int64_t r = 0; r < R && T > 0; ++r)
     if (r == 0 || tok[r] != tok[r - 1])
       for (int64_t i = 0; i < T; ++i) seen[i] |= mask[tok[r] * T + i];
   auto& keys = w.tree_keys;
@@ -424,7 +436,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
     values_rows(r1 - r0, s + r0 * lds, lds, value_rows, n, o + r0 * D, D);
   };
   // Full blocks of prefix keys: the same keys for every row.
-  const int64_t full = P / kKeyBlock * kKeyBlock;
+  const int64_t full = shared / kKeyBlock * kKeyBlock;
   for (int64_t j0 = 0; j0 < full; j0 += kKeyBlock) {
     if (windowed) {
       b.base = j0;
@@ -435,7 +447,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
     absorb(0, R, kKeyBlock, kKeyBlock);
   }
   // The rest: the prefix tail's and the tree keys' scores for all rows, then each token's blocks.
-  const int64_t tail = P - full;
+  const int64_t tail = last - full;  // (the longest; in a tree every row's)
   Acc* s_tail = w.s_tail.get();
   Acc* s_tree = w.s_tree.get();
   if (tail > 0) {
@@ -443,7 +455,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       b.base = full;
       fill_keys(b, k, ldv, full, P);
     }
-    prefix_scores<Acc, R>(qs, b, full, round_up(tail, kKeyPad), s_tail, lds);
+    prefix_scores<Acc, R>(qs, b, full, round_up(tail, kKeyPad), s_tail, ldtail);
   }
   if (nu > 0) scores_tile<Acc, R>(qs, D, ku, KeyLayout{kKeyPad, nup}, nup, s_tree, ldt);
   auto& own = w.own;
@@ -452,14 +464,15 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
     own.clear();
     for (int64_t u = 0; u < nu; ++u)
       if (mask[tok[r0] * T + keys[u]]) own.push_back(u);
-    const int64_t length = tail + static_cast<int64_t>(own.size());  // keys past the full blocks
+    const int64_t mine = seen_prefix(tok[r0]) - full;  // this token's prefix keys past the full blocks
+    const int64_t length = mine + static_cast<int64_t>(own.size());  // and its tree keys
     for (int64_t j0 = 0; j0 < length; j0 += kKeyBlock) {
       const int64_t n = std::min(kKeyBlock, length - j0);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t i = j0 + j;  // the key's place after the full blocks
-        value_rows[j] = i < tail ? v + (full + i) * ldv : v + (P + keys[own[i - tail]]) * ldv;
+        value_rows[j] = i < mine ? v + (full + i) * ldv : v + (P + keys[own[i - mine]]) * ldv;
         for (int64_t r = r0; r < r1; ++r)
-          s[r * lds + j] = i < tail ? s_tail[r * lds + i] : s_tree[r * ldt + own[i - tail]];
+          s[r * lds + j] = i < mine ? s_tail[r * ldtail + i] : s_tree[r * ldt + own[i - mine]];
       }
       absorb(r0, r1, n, round_up(n, kKeyPad));
     }
@@ -490,6 +503,14 @@ struct SeqOperands {
   scalar_t* out;
 };
 
+// Whether a [T, T] mask is a causal chunk's: ones on and below the diagonal, nothing above.
+inline bool is_causal(const bool* mask, int64_t T) {
+  for (int64_t i = 0; i < T; ++i)
+    for (int64_t j = 0; j < T; ++j)
+      if (mask[i * T + j] != (j <= i)) return false;
+  return true;
+}
+
 template <typename scalar_t, typename Acc>
 void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double scale) {
   const int64_t T = s.T, Hq = s.Hq, D = s.D, Hkv = s.Hkv, G = Hq / Hkv;
@@ -499,16 +520,20 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
   const int64_t slot_stride = s.pos;
   // Tasks: each KV head's G*T query rows (token-major: the G heads of token t are adjacent) in blocks of kRows.
   const int64_t rows = G * T, blocks = (rows + kRows - 1) / kRows;
+  // A causal chunk of a prompt: its keys as more prefix keys, each row seeing them up to its own (attend_rows); the
+  // same bits as a tree, without gathering a task's ancestors (all the earlier tokens) for every task.
+  const bool causal = T >= kCausalMin && is_causal(mask, T);
   // A head with several tasks converts its keys once for all of them; a head's only task (a decode step) converts
   // them a block at a time, as it goes (HeadKeys).
   const bool windowed = blocks == 1;
   std::vector<HeadKeys<Acc>> heads;
   if (!windowed) {
     heads.reserve(Hkv);
-    const int64_t ld = round_up(P, kKeyPad), each = HeadKeys<Acc>::size(D, T, ld);
+    const int64_t keys = causal ? P + T : P, tree = causal ? 0 : T;
+    const int64_t ld = round_up(keys, kKeyPad), each = HeadKeys<Acc>::size(D, tree, ld);
     Acc* storage = reused<Acc>(Hkv * each, 0);
     const bool pairs = keys_as_pairs<scalar_t, Acc>(D);
-    for (int64_t h = 0; h < Hkv; ++h) heads.emplace_back(D, P, T, ld, storage + h * each, pairs);
+    for (int64_t h = 0; h < Hkv; ++h) heads.emplace_back(D, keys, causal ? T : tree, ld, storage + h * each, pairs);
     constexpr int64_t kFillBlock = 128;  // slots per conversion task
     const int64_t fill_blocks = (P + T + kFillBlock - 1) / kFillBlock;
     parallel_for(0, Hkv * fill_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -538,7 +563,7 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
       auto run = [&](auto rows_const) {
         attend_rows<scalar_t, Acc, decltype(rows_const)::value>(
             qp, q_strides, log2_scale, windowed ? *window : heads[h], windowed, kp + h * s.head, vp + h * s.head,
-            slot_stride, mask, tok, qhead, scratch, op, Hq);
+            slot_stride, mask, tok, qhead, scratch, op, Hq, causal);
       };
       switch (R) {
         case 1: run(std::integral_constant<int64_t, 1>{}); break;
