@@ -3,6 +3,7 @@
 
     python -m bench.serve [--clients 1 4 16] [--methods ar hybrid] [--questions 32] [--max-new-tokens 128]
     python -m bench.serve --soak [--requests 500] [--soak-clients 16]
+    python -m bench.serve --multi-turn [--batch 4]
 
 Load: for each method a fresh server (its matrix warmed first on other questions), and for each client count the
 same questions, taken from one shared list by whichever client is free. Reported: total throughput (every answer's
@@ -14,7 +15,10 @@ Soak (--soak): one server with its matrix in a file, `--requests` requests from 
 lengths, every one streamed and a random tenth dropped after a few events (a client gone). Reported: the server's
 resident memory (VmRSS) after the first 50 requests and after the last (must stay within 10%), the requests that
 failed other than the dropped ones (must be none), SIGTERM's exit status, and whether the saved matrix loads.
-Writes serve.{md,json} or serve_soak.{md,json}.
+Multi-turn (--multi-turn): the dev split's two-turn conversations, each turn a request with the conversation so far,
+on a server with prefix reuse and on one without: the second turns' TTFT both ways, the prompt tokens found cached
+(`usage.prompt_tokens_details.cached_tokens` and the `/metrics` counter), and whether every answer is the same.
+Writes serve.{md,json}, serve_soak.{md,json} or serve_multi_turn.{md,json}.
 """
 
 import random
@@ -80,10 +84,12 @@ class Server:
         return self.process.returncode, out
 
 
-def ask(client, model: str, question: str, max_tokens: int, drop_after: int | None = None) -> dict:
-    """One streamed request: its text, token count, TTFT and TPOT (None when dropped on purpose)."""
+def ask(client, model: str, question: str | list[dict], max_tokens: int, drop_after: int | None = None) -> dict:
+    """One streamed request (a question, or a conversation's messages): its text, token count, TTFT and TPOT (None
+    when dropped on purpose), and the prompt tokens the server found cached (prefix reuse)."""
+    messages = [{"role": "user", "content": question}] if isinstance(question, str) else question
     t0 = time.perf_counter()
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+    stream = client.chat.completions.create(model=model, messages=messages,
                                             max_tokens=max_tokens, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     text, first, last, usage, events = [], None, None, None, 0
@@ -103,8 +109,9 @@ def ask(client, model: str, question: str, max_tokens: int, drop_after: int | No
     tokens = usage.completion_tokens
     ttft = (first if first is not None else time.perf_counter()) - t0
     tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
-    return {"text": "".join(text), "tokens": tokens, "ttft": ttft, "tpot": tpot,
-            "mat": usage.model_extra["tr_engine"]["mean_accepted_tokens"]}
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
+    return {"text": "".join(text), "tokens": tokens, "ttft": ttft, "tpot": tpot, "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": cached or 0, "mat": usage.model_extra["tr_engine"]["mean_accepted_tokens"]}
 
 
 def load(server: Server, questions: list[str], clients: int, max_tokens: int) -> dict:
@@ -161,6 +168,78 @@ def run_load(args, questions: list[str], warm: list[str]) -> dict:
         row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["identical"] = sum(a == b for a, b in zip(row.pop("texts"), want))
     return rows
+
+
+def metric(server: Server, name: str) -> float:
+    """A counter of the server's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(f"tr_engine_{name} "):
+                return float(line.split()[-1])
+    raise SystemExit(f"error: the server's /metrics has no tr_engine_{name}")
+
+
+def multi_turn(args, conversations: list[list[str]]) -> dict:
+    """Each two-turn conversation through the API, one request at a time: the first turn, then the second with the
+    first's answer in its messages; once on a server with prefix reuse and once without. Returns per mode the
+    second turns' TTFTs, their prompt and cached tokens, the server's reused-token counter, and every answer."""
+    modes = {}
+    for reuse in ("off", "on"):
+        server = Server(args, "--batch", str(args.batch), "--no-persist", "--prefix-reuse", reuse)
+        try:
+            answers, second = [], []
+            for turns in conversations:
+                messages = [{"role": "user", "content": turns[0]}]
+                first = ask(server.client, server.model, messages, args.max_new_tokens)
+                messages += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": turns[1]}]
+                then = ask(server.client, server.model, messages, args.max_new_tokens)
+                answers += [first["text"], then["text"]]
+                second.append(then)
+                print(f"prefix reuse {reuse}: second turn {len(second)} TTFT {1e3 * then['ttft']:.0f} ms, "
+                      f"{then['cached_tokens']}/{then['prompt_tokens']} prompt tokens cached", file=sys.stderr,
+                      flush=True)
+            reused = metric(server, "prefix_reused_tokens_total")
+        finally:
+            code, out = server.stop()
+        if code != 0:
+            raise SystemExit(f"error: the server (--prefix-reuse {reuse}) exited with {code}: {out}")
+        ttft = [r["ttft"] for r in second]
+        modes[reuse] = {"ttft_ms": [1e3 * t for t in ttft], "ttft_ms_p50": 1e3 * percentile(ttft, 0.5),
+                        "ttft_ms_mean": 1e3 * sum(ttft) / len(ttft),
+                        "prompt_tokens": [r["prompt_tokens"] for r in second],
+                        "cached_tokens": [r["cached_tokens"] for r in second], "reused_counter": reused,
+                        "answers": answers}
+    on, off = modes["on"], modes["off"]
+    return {"conversations": len(conversations), "modes": modes,
+            "identical": sum(a == b for a, b in zip(on["answers"], off["answers"])), "answers": len(on["answers"]),
+            "ttft_ratio_p50": off["ttft_ms_p50"] / on["ttft_ms_p50"],
+            "ttft_ratio_mean": off["ttft_ms_mean"] / on["ttft_ms_mean"]}
+
+
+def write_multi_turn(folder: Path, r: dict, info: dict, args) -> str:
+    from bench.machine import machine_line, save_results
+
+    on, off = r["modes"]["on"], r["modes"]["off"]
+    prompt, cached = sum(on["prompt_tokens"]), sum(on["cached_tokens"])
+    lines = ["# Prefix reuse across requests: two-turn conversations through the API", "",
+             f"{machine_line(info)}. {args.model} in {args.dtype}, `python -m tr_engine.serve --batch {args.batch}` "
+             f"(default method), the dev split's {r['conversations']} two-turn conversations, one request at a time: "
+             "the first turn, then the second with the first's answer in its messages; greedy, "
+             f"{args.max_new_tokens} new tokens at most, {args.threads} threads. Once with `--prefix-reuse on` (the "
+             "default: the second turn finds the first turn's prompt and answer in a slot and prefills only what is "
+             "new) and once with `--prefix-reuse off`. TTFT: request sent to its first text, second turns only.", "",
+             "| prefix reuse | TTFT p50 ms | TTFT mean ms | prompt tokens (2nd turns) | cached (usage) | "
+             "`tr_engine_prefix_reused_tokens_total` |", "|---|---|---|---|---|---|"]
+    for name, m in (("off", off), ("on", on)):
+        lines.append(f"| {name} | {m['ttft_ms_p50']:.0f} | {m['ttft_ms_mean']:.0f} | {sum(m['prompt_tokens'])} | "
+                     f"{sum(m['cached_tokens'])} | {m['reused_counter']:.0f} |")
+    lines += ["", f"- second turn's TTFT, without reuse over with: **{r['ttft_ratio_p50']:.2f}x** (p50), "
+              f"{r['ttft_ratio_mean']:.2f}x (mean); {cached} of the second turns' {prompt} prompt tokens were "
+              f"found cached ({100 * cached / max(prompt, 1):.0f}%)",
+              f"- identical answers with and without reuse: {r['identical']}/{r['answers']} (both turns of every "
+              "conversation)", ""]
+    text = "\n".join(lines)
+    return save_results(folder / "serve_multi_turn", text, {"args": _args(args), **r}, info)
 
 
 def soak(args, questions: list[str]) -> dict:
@@ -286,6 +365,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=integer(1), default=128)
     ap.add_argument("--threads", type=integer(1), default=2)
     ap.add_argument("--soak", action="store_true", help="the soak run instead of the load table")
+    ap.add_argument("--multi-turn", action="store_true",
+                    help="two-turn conversations with and without prefix reuse instead of the load table")
+    ap.add_argument("--batch", type=integer(1), default=4, help="--multi-turn: the server's --batch")
     ap.add_argument("--requests", type=integer(SOAK_BASELINE + 1), default=500, help="--soak: requests in all")
     ap.add_argument("--soak-clients", type=integer(1), default=16, help="--soak: concurrent clients")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -293,6 +375,10 @@ def main(argv=None) -> int:
     rows = load_questions(args.questions_file, None, None)
     texts = [" ".join(r["turns"][0].split()) for r in rows]
     info = machine_info()
+    if args.multi_turn:
+        conversations = [r["turns"][:2] for r in rows if len(r["turns"]) >= 2]
+        print(write_multi_turn(args.out, multi_turn(args, conversations), info, args))
+        return 0
     if args.soak:
         print(write_soak(args.out, soak(args, texts), info, args))
         return 0

@@ -128,7 +128,7 @@ def test_the_shared_matrix_is_written_in_request_order_whatever_the_slots(tiny64
     second = Engine.from_pretrained(tiny64, dtype="float64", max_batch=4, tree="2.2.2")
     cache = second.batch_cache()
 
-    def highest_first() -> int:  # the slots handed out in the opposite order
+    def highest_first(ids=None) -> int:  # the slots handed out in the opposite order
         slot = max(cache._free)
         cache._free.remove(slot)
         cache.view(slot).reset()

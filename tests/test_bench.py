@@ -187,6 +187,17 @@ def test_serve_bench_and_its_soak_on_a_tiny_model(tiny_factory, tmp_path):
     soak = json.loads((tmp_path / "serve_soak.json").read_text())
     assert soak["failed"] == 0 and soak["exit_status"] == 0 and soak["matrix_loads"] is True, soak
     assert "verdict:" in (tmp_path / "serve_soak.md").read_text()
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"Question {i}?", "And why?"]})
+                           + "\n" for i in range(3)))
+    proc = run_module("bench.serve", *common, "--multi-turn", "--questions-file", str(two), "--batch", "2")
+    assert proc.returncode == 0, proc.stderr
+    multi = json.loads((tmp_path / "serve_multi_turn.json").read_text())
+    on, off = multi["modes"]["on"], multi["modes"]["off"]
+    assert multi["conversations"] == 3 and multi["identical"] == multi["answers"] == 6, multi
+    assert off["reused_counter"] == sum(off["cached_tokens"]) == 0
+    # (the tiny model's answers are random bytes that do not survive text: at least the first turn is found again)
+    assert on["reused_counter"] >= sum(on["cached_tokens"]) > 0 and all(c > 0 for c in on["cached_tokens"])
 
 
 def test_forward_cost_at_a_shape_stands_the_step_against_its_floor_and_projects(tmp_path):

@@ -9,6 +9,7 @@ import torch
 
 from tr_engine.engine import Engine
 from tr_engine.errors import ContextOverflow
+from tr_engine.kv_cache import shared_prefix
 from tr_engine.scheduler import QueueFull, RequestError, Scheduler
 
 PROMPTS = ["hello there", "a b c a b c", "the cat sat on the mat", "why?", "one two three", "hello hello",
@@ -127,3 +128,58 @@ def test_chores_run_on_the_batch_thread_and_a_failing_one_does_not_stop_it(tiny)
     scheduler.between_steps(idle.set)  # nothing runs: done at once, on the batch's thread
     assert idle.wait(10) and seen == ["tr-engine-batch"]
     scheduler.close()
+
+
+def test_a_free_slot_is_taken_for_the_longest_prefix_it_holds_else_the_least_recently_used():
+    from tr_engine.kv_cache import BatchKVCache
+    from tr_engine.config import LlamaConfig
+
+    config = LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=8, max_position_embeddings=32)
+    cache = BatchKVCache(config, 3, 32, torch.float32, "cpu")
+    a, b, c = cache.take([1, 2, 3]), cache.take([4, 5]), cache.take([6])
+    assert (a, b, c) == (0, 1, 2) and all(cache.view(s).length == 0 for s in (a, b, c))  # nothing held yet
+    for slot, ids in [(b, [4, 5, 7, 8]), (a, [1, 2, 3, 9]), (c, [6, 6])]:  # given back in this order: b is the oldest
+        cache.view(slot).length = len(ids)
+        cache.give_back(slot, ids)
+    assert cache.take([1, 2, 3, 9, 10, 11]) == a and cache.view(a).length == 4  # all it holds, then the new tokens
+    cache.view(a).length = 0
+    cache.give_back(a, [1, 2, 3, 9])  # (a length of 0: it holds nothing after all)
+    assert cache.held[a] == []
+    assert cache.take([4, 5, 7, 8]) == b and cache.view(b).length == 3  # the last token is always prefilled
+    assert cache.take([9, 9]) == c and cache.view(c).length == 0  # shares nothing: the least recently given back
+    assert cache.take([1, 2]) == a and cache.free() == 0
+
+
+def test_prefix_reuse_answers_each_turn_as_a_cold_prefill_does(tiny, tiny_factory):
+    """A conversation's second turn (its first turn's prompt and answer, then more), and prompts that share a system
+    message, through one scheduler with reuse: each answer is the one from an empty cache, and the turns after the
+    first prefill only what is new. (bf16 with the kernels: a prefix cached by earlier steps rounds as a cold prefill
+    only if they are row-independent.) The second turn is given as token ids: the tiny models' answers are random
+    bytes, which do not survive a trip through text (a real model's do, mostly: bench.serve --multi-turn)."""
+    bf16 = str(tiny_factory("sched-bf16", dtype=torch.bfloat16, vocab_size=300, std=0.5))
+    for model, dtype in [(tiny, "float64"), (bf16, "bfloat16")]:
+        engine = Engine.from_pretrained(model, dtype=dtype, max_batch=2)
+        system = {"role": "system", "content": "you answer in few words about the sea and the cat"}
+        first = [system, {"role": "user", "content": "hello there"}]
+        first_ids = engine.prompt_ids(first)
+        answer = engine.generate(first, max_new_tokens=20, method="ar").token_ids
+        second = first_ids + answer + engine.tokenizer.encode(" and why is that so?")
+        other = [system, {"role": "user", "content": "one two three"}]
+        prompts = [(first, True), (second, False), (other, True)]
+
+        def run(prefix_reuse):
+            scheduler = Scheduler(engine, method="hybrid", prefix_reuse=prefix_reuse)
+            handles = []
+            for prompt, chat in prompts:  # one after another: each finds the slots the earlier ones left
+                handles.append(scheduler.submit(prompt, max_new_tokens=20, chat_template=chat))
+                handles[-1].result()
+            scheduler.close()
+            return [h.result().token_ids for h in handles], [h.request.reused for h in handles]
+
+        cold, none = run(False)
+        warm, reused = run(True)
+        assert warm == cold and cold[0] == answer and none == [0, 0, 0], dtype
+        assert reused[1] == len(first_ids) + len(answer) - 1, (dtype, reused)  # all but the answer's last token
+        system_turn = shared_prefix(first_ids, engine.prompt_ids(other))
+        assert system_turn > 10 and reused[2] == system_turn, (dtype, reused)  # the system message's turn

@@ -10,7 +10,7 @@ from tr_engine.adaptive import AdaptiveTrees
 from tr_engine.cost import CostModel
 from tr_engine.decode import plain_generate, prefill
 from tr_engine.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
-from tr_engine.engine import shared_prefix
+from tr_engine.kv_cache import shared_prefix
 from tr_engine.kv_cache import KVCache
 from tr_engine.matrix import RecyclingMatrix
 from tr_engine.sampling import Sampler, Sampling

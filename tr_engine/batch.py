@@ -53,6 +53,7 @@ class Request:
     ignore_eos: bool = False  # decode past the end-of-sequence token, to max_new_tokens (a benchmark's fixed length)
     seed_matrix: Callable | None = None  # seed_matrix(ids, logits): handed the prompt's logits at every position
     prefilled: int = 0  # prompt tokens its prefill ran (those its cache did not hold already)
+    reused: int = 0  # prompt tokens its cache held already (an earlier turn's, or a shared system prompt's)
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # its steps', by phase
     history: list[int] = field(init=False, repr=False)  # the prompt and the answer so far, kept as they grow
 
@@ -96,13 +97,15 @@ class Listed:
 
 
 def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: tuple[int, ...], ops,
-                limit: int | None = None):
+                limit: int | None = None, reuse_prefix: bool = False):
     """Decode `requests` with at most `limit` (default cache.slots) of them in each forward, drafting with `drafter`
     (None: plain decoding). Yields Events as tokens are committed; a request ends with an Event carrying its
     Generation or its error. `requests` is an iterable of Requests in id order, or a source whose take(block)
     returns the next Request, None when none is waiting (only when block is False: the batch is running), or END
     (tr_engine/scheduler.py: requests that arrive while the batch runs). A request whose `cancelled` is set leaves at
-    the next step boundary with the error "cancelled"."""
+    the next step boundary with the error "cancelled". With `reuse_prefix`, a request takes the free slot that holds
+    the longest start of its prompt (a finished request's prompt and answer stay in its slot) and prefills only the
+    rest: the same bits as a cold prefill, the kernels being row-independent."""
     limit = cache.slots if limit is None else min(limit, cache.slots)
     source, active = requests if hasattr(requests, "take") else Listed(requests), {}
     clock, before = PhaseClock(), {}  # the steps' seconds by phase (the whole batch's), and at the last step's start
@@ -111,7 +114,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
         return () if r.ignore_eos else eos_ids
 
     def admit(r: Request):
-        r.slot = cache.take()
+        r.slot = cache.take(r.prompt_ids if reuse_prefix else None)
         view = cache.view(r.slot)
         try:
             if not r.prompt_ids:
@@ -123,21 +126,21 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 logits = prefill_and_seed(model, view, new, r.seed_matrix)
                 first = int(greedy(logits, ops)) if r.sampler is None else r.sampler.draw(logits, 0)
         except UserError as e:
-            cache.give_back(r.slot)
+            cache.give_back(r.slot, r.prompt_ids)  # (what it held before still holds)
             return Event(r.id, [], error=str(e))
         except BaseException:  # Ctrl-C in a prefill, say: the slot is free again
-            cache.give_back(r.slot)
+            cache.give_back(r.slot, r.prompt_ids)
             raise
         r.started = time.perf_counter()
-        r.prefill_s, r.prefilled = r.started - t0, len(new)
+        r.prefill_s, r.prefilled, r.reused = r.started - t0, len(new), len(r.prompt_ids) - len(new)
         r.commit([first])
         active[r.id] = r
         return Event(r.id, [first])
 
     def finish(r: Request) -> Generation:
         view = cache.view(r.slot)  # the cache keeps the sequence only: every committed token but the last
-        view.length = min(view.length, len(r.prompt_ids) + len(r.out) - 1)
-        cache.give_back(r.slot)
+        view.length = min(view.length, len(r.history) - 1)
+        cache.give_back(r.slot, r.history)
         del active[r.id]
         return r.generation(ends(r))
 
@@ -179,8 +182,9 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 r.accept_lengths.append(len(tokens))
                 r.verify_tokens.append(draft.tree.size)
                 yield Event(r.id, tokens, done=finish(r) if finished else None)
-    finally:  # stopped early (Ctrl-C, a closed stream, an error): the slots go back, the sequences are dropped
-        for r in list(active.values()):
+    finally:  # stopped early (Ctrl-C, a closed stream, an error): the slots go back, emptied (a step may have been
+        for r in list(active.values()):  # cut between a compaction and its commit), the sequences are dropped
+            cache.view(r.slot).length = 0
             cache.give_back(r.slot)
         active.clear()
 

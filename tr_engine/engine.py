@@ -20,7 +20,7 @@ from tr_engine.cost import BUCKETS, CostModel, cost_key, cost_path
 from tr_engine.drafters import DrafterSetup
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.graphs import StepGraphs, graph_buckets
-from tr_engine.kv_cache import BatchKVCache, KVCache
+from tr_engine.kv_cache import BatchKVCache, KVCache, shared_prefix
 from tr_engine.matrix import RecyclingMatrix
 from tr_engine.methods import ADAPTIVE, AR, DEFAULT_METHOD, DRAFTERS, drafter_class, methods
 from tr_engine.model import Llama
@@ -484,16 +484,6 @@ def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, ops) -> bo
 
 def check_seed(seed: int | None) -> int | None:
     return None if seed is None else checks.integer(seed, "seed", 0, checks.MAX_SEED)
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _check_device(device) -> torch.device:

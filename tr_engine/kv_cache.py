@@ -43,13 +43,21 @@ class KVCache:
 class BatchKVCache:
     """The caches of up to N sequences decoded together: one tensor [N, L, 2, Hkv, S, D], slot b a contiguous
     [L, 2, Hkv, S, D] cache of its own (view(b), a KVCache with its own length: prefill and compaction work on it as
-    on a single sequence's), and a batched forward reads and writes every slot at once (model.RaggedBatch)."""
+    on a single sequence's), and a batched forward reads and writes every slot at once (model.RaggedBatch).
+
+    A free slot remembers the tokens it holds (give_back's `ids`), so that a request whose prompt starts with them
+    (the next turn of the same conversation, a shared system prompt) can take it and prefill only the rest: take(ids)
+    picks the free slot that shares the longest prefix with `ids`, or else the least recently used one (LRU: the
+    conversations most recently served stay longest)."""
 
     def __init__(self, config: LlamaConfig, slots: int, capacity: int, dtype: torch.dtype, device):
         shape = (slots, config.num_hidden_layers, 2, config.num_key_value_heads, capacity, config.head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.views = [KVCache.over(self.data[b]) for b in range(slots)]
         self._free = list(range(slots))
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # a free slot's tokens (its K/V at 0..len-1)
+        self._used = [0] * slots  # when each slot was last given back (a count): LRU's order
+        self._clock = 0
 
     @property
     def slots(self) -> int:
@@ -62,15 +70,39 @@ class BatchKVCache:
         """How many slots are free."""
         return len(self._free)
 
-    def take(self) -> int:
-        """The lowest free slot, emptied, now in use."""
-        self._free.sort()
-        slot = self._free.pop(0)
-        self.views[slot].reset()
+    def take(self, ids: list[int] | None = None) -> int:
+        """A free slot, now in use. Without `ids`: the lowest, emptied. With `ids` (a prompt): the one whose tokens
+        share the longest prefix with them, its length set to what it can keep (at most all of `ids` but the last,
+        whose logits the prefill must compute), else the least recently used one, emptied."""
+        if ids is None:
+            slot = min(self._free)
+            keep = 0
+        else:
+            keeps = {s: max(min(shared_prefix(self.held[s], ids), len(ids) - 1), 0) for s in self._free}
+            # the longest reuse (of two equal, the more recent); when none reuses anything, the least recent
+            slot = max(self._free, key=lambda s: (keeps[s], self._used[s] if keeps[s] else -self._used[s]))
+            keep = keeps[slot]
+        self._free.remove(slot)
+        self.held[slot] = []
+        self.views[slot].length = keep
         return slot
 
-    def give_back(self, slot: int) -> None:
+    def give_back(self, slot: int, ids: list[int] = ()) -> None:
+        """Free `slot`; `ids`: the tokens its K/V hold from position 0 (kept for a later take(ids) to reuse)."""
+        self._clock += 1
+        self._used[slot] = self._clock
+        self.held[slot] = list(ids)[: self.views[slot].length]
         self._free.append(slot)
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class OneSlot:
@@ -92,9 +124,9 @@ class OneSlot:
     def free(self) -> int:
         return 0 if self._taken else 1
 
-    def take(self) -> int:
+    def take(self, ids: list[int] | None = None) -> int:
         self._taken = True
         return 0
 
-    def give_back(self, slot: int) -> None:
+    def give_back(self, slot: int, ids: list[int] = ()) -> None:
         self._taken = False

@@ -4,7 +4,7 @@
     POST /v1/chat/completions    messages in, an answer out (or, with "stream", server-sent events)
     POST /v1/completions         raw text (or token ids) in, its continuation out
     GET  /health                 200 while the engine runs
-    GET  /metrics                Prometheus text: requests, tokens, MAT, running and queued sequences
+    GET  /metrics                Prometheus text: requests, tokens, reused prefix tokens, MAT, running and queued
 
 Every request goes to the Scheduler (tr_engine/scheduler.py) as it arrives and joins the running batch at the next
 step, so each client gets exactly the tokens it would get alone, while Token Recycling's matrix learns from all of
@@ -15,7 +15,8 @@ for what a client sent.
 Sampling fields a request leaves out take the server's flags (--temperature, --top-p, --top-k: greedy unless the
 server was started otherwise). Beyond OpenAI's fields, a request may set `top_k` and `ignore_eos` (vLLM's: decode to
 max_tokens past the end-of-sequence token), and `usage.tr_engine` reports the request's method, mean accepted tokens
-per step (MAT) and decode steps.
+per step (MAT) and decode steps; `usage.prompt_tokens_details.cached_tokens` (OpenAI's field) counts the prompt
+tokens that were not prefilled again because a slot held them (the conversation's earlier turns: prefix reuse).
 """
 
 import asyncio
@@ -57,6 +58,7 @@ class Metrics:
     started: float = field(default_factory=time.time)
     requests: dict = field(default_factory=dict)  # outcome -> count
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens a slot's cache held already: not prefilled again (prefix reuse)
     completion_tokens: int = 0
     decode_tokens: int = 0  # tokens committed by decode steps (MAT's numerator: the prefill's token is not one)
     decode_steps: int = 0
@@ -160,6 +162,7 @@ class Answer:
         steps = max(self.steps - 1, 0)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
                 "total_tokens": self.prompt_tokens + len(self.tokens),
+                "prompt_tokens_details": {"cached_tokens": self.handle.request.reused},
                 "tr_engine": {"method": self.state.scheduler.method, "decode_steps": steps,
                               "mean_accepted_tokens": round(len(decode) / steps, 4) if steps else 0.0}}
 
@@ -167,6 +170,7 @@ class Answer:
         m = self.state.metrics
         m.count(self.finish_reason or "cancelled")
         m.prompt_tokens += self.prompt_tokens
+        m.reused_tokens += self.handle.request.reused
         m.completion_tokens += len(self.tokens)
         m.decode_tokens += max(len(self.tokens) - 1, 0)
         m.decode_steps += max(self.steps - 1, 0)
@@ -298,6 +302,8 @@ def prometheus(state) -> str:
     mat = m.decode_tokens / m.decode_steps if m.decode_steps else 0.0
     for name, kind, value, text in [
         ("prompt_tokens_total", "counter", m.prompt_tokens, "Prompt tokens of the requests that ran."),
+        ("prefix_reused_tokens_total", "counter", m.reused_tokens,
+         "Prompt tokens found in a slot's cache (an earlier turn, a shared system prompt): not prefilled again."),
         ("completion_tokens_total", "counter", m.completion_tokens, "Tokens generated."),
         ("decode_steps_total", "counter", m.decode_steps, "Decode steps (one verify each) over all requests."),
         ("mean_accepted_tokens", "gauge", round(mat, 4), "MAT: decode tokens per decode step, all requests."),

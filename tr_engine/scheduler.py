@@ -14,7 +14,9 @@ events then reach it through the loop (call_soon_threadsafe), and no thread of i
 One thread runs tr_engine.batch.batch_steps over a queue: a request waits there until a slot is free, and joins at
 the next step boundary; each request's events go to its own handle. The queue is bounded: past `max_queued` waiting
 requests, submit raises QueueFull (a server answers 503 with Retry-After). Every request gets exactly the tokens it
-would get alone (tr_engine/batch.py says why). What the HTTP server of the serving issue builds on.
+would get alone (tr_engine/batch.py says why). A finished request's slot keeps its conversation: the next turn, or
+any prompt that starts the same way, takes that slot and prefills only what is new (prefix_reuse; least recently
+used slots are the first emptied for prompts that share nothing).
 """
 
 import asyncio
@@ -97,8 +99,10 @@ class Scheduler:
     with no core to spare, two teams (the loader's, idle, and the loop's) make libgomp put its workers to sleep
     between ops instead of spinning, which here cost 40% of a decode step's speed."""
 
-    def __init__(self, engine, method: str | None = None, max_queued: int = 64, thread: bool = True):
-        from tr_engine.engine import check_method
+    def __init__(self, engine, method: str | None = None, max_queued: int = 64, thread: bool = True,
+                 prefix_reuse: bool = True, seed_from_prompt: bool = False):
+        from tr_engine import checks
+        from tr_engine.engine import check_method, seeder
 
         self.engine, self.max_queued = engine, max_queued
         self.method = check_method(method or engine.method)
@@ -109,8 +113,9 @@ class Scheduler:
         self._closed = False
         self._chores: list = []  # between_steps' callables, for the batch's thread
         drafter = None if self.method == AR else engine.priced(engine.drafter(self.method))
+        self._seed_matrix = seeder(drafter, checks.flag(seed_from_prompt, "seed_from_prompt"))
         self._steps = batch_steps(engine.model, engine.batch_cache(), self, drafter, engine.tokenizer.eos_ids,
-                                  engine.ops)
+                                  engine.ops, reuse_prefix=checks.flag(prefix_reuse, "prefix_reuse"))
         self._finished = threading.Event()  # run() returned
         self._started = False
         if thread:
@@ -152,7 +157,7 @@ class Scheduler:
             if len(self._waiting) >= self.max_queued:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting for a slot already; retry shortly")
             request = Request(next(self._ids), ids, max_new_tokens, self.engine.sampler(sampling, seed),
-                              ignore_eos=checks.flag(ignore_eos, "ignore_eos"))
+                              ignore_eos=checks.flag(ignore_eos, "ignore_eos"), seed_matrix=self._seed_matrix)
             handle = self._handles[request.id] = Handle(request, loop)
             self._waiting.append(request)
             self._cond.notify()

@@ -2,10 +2,12 @@
 
     python -m tr_engine.serve --model NAME_OR_PATH [--host 127.0.0.1] [--port 8000] [--batch N] [--max-queued Q]
         [--served-model-name NAME] [--matrix FILE | --no-persist] [--save-every S] [--grace S] [--access-log]
-        [--method hybrid|tr|pld|ar] [--tree ...] [--dtype D] [--threads T] [--max-context C] ...
+        [--prefix-reuse on|off] [--method hybrid|tr|pld|ar] [--tree ...] [--dtype D] [--threads T] ...
 
 Every request joins the running batch as it arrives (tr_engine/scheduler.py), so each client gets exactly what it
-would get alone while Token Recycling's one matrix learns from every client. The endpoints and their errors:
+would get alone while Token Recycling's one matrix learns from every client, and a conversation's next turn finds its
+earlier turns still in a slot's cache (prefix reuse, least recently used slots emptied first). The endpoints and
+their errors:
 tr_engine/openai_api.py. HTTP and server-sent events are FastAPI on uvicorn, as vLLM and SGLang serve theirs.
 
 The matrix is loaded at start (the same file the chat keeps, unless --matrix says otherwise) and saved atomically,
@@ -56,6 +58,10 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--save-every", type=real(0.0), default=DEFAULT_SAVE_EVERY_S, metavar="S",
                     help=f"also save the matrix every S seconds while serving (default {DEFAULT_SAVE_EVERY_S:g}; 0: "
                          "only at the end), so a killed server loses little of what it learned")
+    ap.add_argument("--prefix-reuse", choices=("on", "off"), default="on",
+                    help="on (default): a request whose prompt starts with what a free slot holds (the conversation's "
+                         "earlier turns, a shared system prompt) prefills only the rest; off: every request prefills "
+                         "its whole prompt")
     ap.add_argument("--access-log", action="store_true", help="log every request's line on stderr")
     add_matrix_args(ap)
     return ap
@@ -63,9 +69,6 @@ def build_parser() -> ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.seed_from_prompt:
-        raise UserError("--seed-from-prompt is not supported by the server (its batch shares one matrix); leave it "
-                        "out")
     if args.tp > 1:
         raise UserError("--tp is not supported by the server yet (the generate and chat commands take it); leave it "
                         "out")
@@ -78,7 +81,8 @@ def main(argv=None) -> int:
     save_to = load_matrix(args, engine)
     # The batch loop runs here, on the thread that loaded the model, and HTTP on a thread of its own: one OpenMP team
     # for every parallel op (tr_engine/scheduler.py says what a second one costs).
-    scheduler = Scheduler(engine, args.method, args.max_queued, thread=False)
+    scheduler = Scheduler(engine, args.method, args.max_queued, thread=False, prefix_reuse=args.prefix_reuse == "on",
+                          seed_from_prompt=args.seed_from_prompt)
     name = args.served_model_name or engine.folder.name
     app = create_app(scheduler, name, Defaults(sampling))
     config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
