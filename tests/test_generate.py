@@ -68,6 +68,48 @@ def test_greedy_stops_exactly_at_eos(tiny_factory):
     assert stopped.generation.finish_reason == "eos"
 
 
+@pytest.mark.parametrize("method", ["ar", "hybrid"])
+def test_ignore_eos_decodes_to_max_new_tokens_alone_and_in_a_batch(tiny_factory, method):
+    engine = Engine.from_pretrained(str(tiny_factory("float32", dtype=torch.float64)), dtype="float64")
+    free = engine.generate("hello", max_new_tokens=20, method="ar")
+    engine.tokenizer.eos_ids = (free.token_ids[4],)
+    assert len(engine.generate("hello", max_new_tokens=20, method=method).token_ids) < 20
+    on = engine.generate("hello", max_new_tokens=20, method=method, ignore_eos=True)
+    assert on.token_ids == free.token_ids and on.generation.finish_reason == "length"
+    batch = engine.generate_batch(["hello", "why?"], max_new_tokens=20, method=method, ignore_eos=True)
+    assert batch[0].token_ids == free.token_ids and len(batch[1].token_ids) == 20
+    with pytest.raises(UserError, match="ignore_eos"):
+        engine.generate("hello", ignore_eos="yes")
+
+
+@pytest.mark.parametrize("method", ["ar", "hybrid"])
+def test_a_call_cancelled_from_another_thread_ends_at_a_step_with_what_it_has(tiny_factory, method):
+    import threading
+
+    engine = Engine.from_pretrained(str(tiny_factory("float32", dtype=torch.float64)), dtype="float64")
+    free = engine.generate("hello", max_new_tokens=60, method="ar")
+    cancel = threading.Event()
+    steps = engine.stream("hello", max_new_tokens=60, method=method, cancel=cancel)
+    pieces = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            got = done.value
+            break
+        pieces += 1
+        if pieces == 1:  # set from another thread, mid-answer: the stream ends at the next step boundary
+            setter = threading.Thread(target=cancel.set)
+            setter.start()
+            setter.join()
+    assert got.generation.finish_reason == "cancelled" and got.token_ids == free.token_ids[: len(got.token_ids)]
+    assert 1 <= len(got.token_ids) < 60
+    again = engine.generate("hello", max_new_tokens=60, method=method)  # the engine is as before
+    assert again.token_ids == free.token_ids
+    with pytest.raises(UserError, match="cancel must be"):
+        engine.generate("hello", cancel=True)
+
+
 def test_ops_reference_and_kernels_give_the_same_tokens(tiny_factory):
     folder = str(tiny_factory("float32", dtype=torch.float64))
     for method in ["ar", "tr"]:

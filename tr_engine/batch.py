@@ -19,6 +19,7 @@ its slot, between steps), and leaves when it ends; its slot is reused at once. A
 oversize prompt) fails alone, with a one-line error, and the others go on.
 """
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class Request:
     step_end_s: list[float] = field(default_factory=list)
     prefill_s: float = 0.0
     started: float = 0.0  # when its decoding began (after its prefill)
-    cancelled: bool = False  # set from any thread: the request leaves at the next step boundary, its slot freed
+    cancel_event: threading.Event = field(default_factory=threading.Event)  # set from any thread: cancel()
     ignore_eos: bool = False  # decode past the end-of-sequence token, to max_new_tokens (a benchmark's fixed length)
     seed_matrix: Callable | None = None  # seed_matrix(ids, logits): handed the prompt's logits at every position
     prefilled: int = 0  # prompt tokens its prefill ran (those its cache did not hold already)
@@ -60,12 +61,21 @@ class Request:
     def __post_init__(self):
         self.history = list(self.prompt_ids) + self.out
 
+    def cancel(self) -> None:
+        """Leave at the next step boundary (or before joining), the slot freed; safe from any thread."""
+        self.cancel_event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
     def commit(self, tokens: list[int]) -> None:
         self.out += tokens
         self.history += tokens
 
     def generation(self, eos_ids) -> Generation:
-        return Generation(token_ids=self.out, finish_reason="eos" if self.out and self.out[-1] in eos_ids else "length",
+        reason = "cancelled" if self.cancelled else "eos" if self.out and self.out[-1] in eos_ids else "length"
+        return Generation(token_ids=self.out, finish_reason=reason,
                           prompt_tokens=self.prefilled, prefill_s=self.prefill_s,
                           decode_s=time.perf_counter() - self.started, steps=len(self.accept_lengths),
                           accept_lengths=self.accept_lengths, verify_tokens=self.verify_tokens,
@@ -75,7 +85,7 @@ class Request:
 @dataclass
 class Event:
     """What a step did for one request: the tokens it committed, and when the request ended, its Generation (or,
-    when it could not run, its one-line error)."""
+    when it could not run, its one-line error; a cancelled request has both: what it generated, and "cancelled")."""
 
     request: int
     tokens: list[int]
@@ -148,8 +158,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     try:
         while True:
             for r in [r for r in active.values() if r.cancelled]:  # left since the last step
-                finish(r)
-                yield Event(r.id, [], error="cancelled")
+                yield Event(r.id, [], done=finish(r), error="cancelled")
             while not ended and cache.free() and len(active) < limit:  # join at the step boundary
                 r = source.take(block=not active)
                 if r is None:
@@ -208,15 +217,19 @@ def verify_batch(model: Llama, cache: BatchKVCache, slots: list[int], drafts: li
 
 
 def speculative_steps(model: Llama, cache: KVCache, context_ids: list[int], drafter, max_new_tokens: int,
-                      eos_ids: tuple[int, ...], ops, seed_matrix=None, sampler: Sampler | None = None):
+                      eos_ids: tuple[int, ...], ops, seed_matrix=None, sampler: Sampler | None = None,
+                      ignore_eos: bool = False, cancel: threading.Event | None = None):
     """One sequence through batch_steps, in `cache` (which may hold the start of `context_ids` already: only the rest
     is prefilled), drafting with `drafter`: yields each step's committed tokens (the first token alone first), greedy
     or, with `sampler`, sampled; `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every
-    prefilled position (Token Recycling's optional prompt seeding). Returns the Generation; a request that cannot run
-    (too long for the cache) raises its one-line error."""
-    request = Request(0, context_ids, max_new_tokens, sampler, seed_matrix=seed_matrix)
+    prefilled position (Token Recycling's optional prompt seeding). With `ignore_eos` it decodes past the
+    end-of-sequence token to max_new_tokens; once `cancel` (an Event, set from any thread) is set, it ends at the next
+    step boundary with finish_reason "cancelled". Returns the Generation; a request that cannot run (too long for the
+    cache) raises its one-line error."""
+    request = Request(0, context_ids, max_new_tokens, sampler, ignore_eos=ignore_eos, seed_matrix=seed_matrix,
+                      cancel_event=cancel or threading.Event())
     for event in batch_steps(model, OneSlot(cache), [request], drafter, eos_ids, ops):
-        if event.error is not None:
+        if event.error is not None and event.done is None:
             raise UserError(event.error)
         yield event.tokens
         if event.done is not None:
@@ -224,7 +237,7 @@ def speculative_steps(model: Llama, cache: KVCache, context_ids: list[int], draf
 
 
 def speculative_generate(model, cache, context_ids, drafter, max_new_tokens, eos_ids, ops,
-                         seed_matrix=None, sampler: Sampler | None = None) -> Generation:
+                         seed_matrix=None, sampler: Sampler | None = None, ignore_eos: bool = False) -> Generation:
     """speculative_steps without streaming."""
     return run_to_end(speculative_steps(model, cache, context_ids, drafter, max_new_tokens, eos_ids, ops,
-                                        seed_matrix, sampler))
+                                        seed_matrix, sampler, ignore_eos))

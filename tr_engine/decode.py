@@ -26,7 +26,7 @@ class Generation:
     """What one call generated: the new ids (ending with the EOS id when finish_reason == 'eos') and its timings."""
 
     token_ids: list[int]
-    finish_reason: str  # "eos" or "length"
+    finish_reason: str  # "eos", "length", or "cancelled" (asked to stop: Engine.stream's cancel)
     prompt_tokens: int  # tokens prefilled by this call (the context minus what the cache already held)
     prefill_s: float
     decode_s: float

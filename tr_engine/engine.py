@@ -292,33 +292,42 @@ class Engine:
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
                  method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False,
                  drafter=None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None) -> GenerateResult:
+                 seed: int | None = None, ignore_eos: bool = False, cancel=None) -> GenerateResult:
         """Answer a prompt (a string, or a conversation as messages): `method` "ar" (plain decoding), "tr" (Token
         Recycling), "pld" (prompt lookup) or "hybrid" (both in one tree), default the engine's; all emit the same
         tokens, greedy (temperature 0, the default) or sampled from the model's distribution (temperature, top_k,
         top_p; `seed` fixes this call's draws, else they come from the engine's seeded stream). `drafter` (from
         new_drafter) overrides `method`. The recycling matrix persists across calls. With `reuse_cache`, the part of
         the prompt the cache already holds (the earlier turns of a conversation, with their answers) is not computed
-        again; otherwise every call starts from an empty cache."""
+        again; otherwise every call starts from an empty cache. With `ignore_eos`, decoding goes on past the
+        end-of-sequence token to max_new_tokens (a benchmark's fixed length). `cancel`, a threading.Event set from
+        any thread, ends the call at the next step boundary: its result holds what was generated, finish_reason
+        "cancelled"."""
         return run_to_end(self.stream(prompt, max_new_tokens, chat_template, method, seed_from_prompt, reuse_cache,
-                                      drafter, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+                                      drafter, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                      ignore_eos=ignore_eos, cancel=cancel))
 
     def stream(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
                method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None,
-               *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
+               *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               ignore_eos: bool = False, cancel=None):
         """Like generate, yielding the answer's text as it is accepted (whole characters only); returns the
         GenerateResult (`result = yield from engine.stream(…)`, or StopIteration.value)."""
         sampling = Sampling(temperature, top_k, top_p)
         checks.integer(max_new_tokens, "max_new_tokens", 1)
         checks.flag(seed_from_prompt, "seed_from_prompt")
         checks.flag(reuse_cache, "reuse_cache")
+        checks.flag(ignore_eos, "ignore_eos")
+        if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "set")):
+            raise InvalidType(f"cancel must be a threading.Event, got {type(cancel).__name__}")
         check_seed(seed)
         if method is not None:
             check_method(method)
         ids = self.prompt_ids(prompt, chat_template)
         decoder = StreamDecoder(self.tokenizer, ids)
         eos = self.tokenizer.eos_ids
-        steps = self.decode_steps(ids, max_new_tokens, method, seed_from_prompt, reuse_cache, drafter, sampling, seed)
+        steps = self.decode_steps(ids, max_new_tokens, method, seed_from_prompt, reuse_cache, drafter, sampling, seed,
+                                  ignore_eos, cancel)
         while True:
             try:
                 committed = next(steps)
@@ -336,25 +345,27 @@ class Engine:
     def generate_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
                        method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                        seed: int | None = None, batch_size: int | None = None,
-                       seed_from_prompt: bool = False) -> list[GenerateResult]:
+                       seed_from_prompt: bool = False, ignore_eos: bool = False) -> list[GenerateResult]:
         """Answer many prompts at once, up to the engine's max_batch in each forward (more are queued and join as
         others finish): one GenerateResult per prompt, in order, each with exactly the tokens generate() gives that
         prompt alone (sampled: with `seed` + its index as its seed). A prompt that cannot run (empty, too long for
         the batch's per-sequence cache) gets a result with `error` set and no tokens; the others finish.
         `batch_size` (at most max_batch, the default) caps the sequences in a forward. `seed_from_prompt`: each
-        prompt's prefill seeds the shared matrix, as in generate()."""
+        prompt's prefill seeds the shared matrix, as in generate(); `ignore_eos` as in generate()."""
         return run_to_end(self.stream_batch(prompts, max_new_tokens, chat_template, method, temperature=temperature,
                                             top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
-                                            seed_from_prompt=seed_from_prompt))
+                                            seed_from_prompt=seed_from_prompt, ignore_eos=ignore_eos))
 
     def stream_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
                      method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                     seed: int | None = None, batch_size: int | None = None, seed_from_prompt: bool = False):
+                     seed: int | None = None, batch_size: int | None = None, seed_from_prompt: bool = False,
+                     ignore_eos: bool = False):
         """Like generate_batch, yielding (prompt index, text piece) as each request's tokens are accepted; returns
         the results (`results = yield from engine.stream_batch(…)`)."""
         sampling = Sampling(temperature, top_k, top_p)
         checks.integer(max_new_tokens, "max_new_tokens", 1)
         checks.flag(seed_from_prompt, "seed_from_prompt")
+        checks.flag(ignore_eos, "ignore_eos")
         check_seed(seed)
         if batch_size is not None:
             checks.integer(batch_size, "batch_size", 1, self.max_batch)
@@ -373,7 +384,7 @@ class Engine:
                 continue
             request_seed = None if seed is None else (seed + i) % (checks.MAX_SEED + 1)
             requests.append(Request(i, ids, max_new_tokens, self.sampler(sampling, request_seed),
-                                    seed_matrix=seed_matrix))
+                                    ignore_eos=ignore_eos, seed_matrix=seed_matrix))
             decoders[i] = StreamDecoder(self.tokenizer, ids)
         eos = self.tokenizer.eos_ids
         prompt_of = {r.id: r.prompt_ids for r in requests}
@@ -415,7 +426,7 @@ class Engine:
 
     def decode_steps(self, ids: list[int], max_new_tokens: int, method: str | None = None,
                      seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None,
-                     sampling: Sampling = GREEDY, seed: int | None = None):
+                     sampling: Sampling = GREEDY, seed: int | None = None, ignore_eos: bool = False, cancel=None):
         """The decode loop for prompt token ids: yields each step's committed ids, returns the Generation."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -432,7 +443,7 @@ class Engine:
         eos = self.tokenizer.eos_ids
         # (ar: no drafter, each step the root alone, through the same loop)
         gen = yield from speculative_steps(self.runner, self.cache, ids, drafter, max_new_tokens, eos, self.ops,
-                                           seeder(drafter, seed_from_prompt), sampler)
+                                           seeder(drafter, seed_from_prompt), sampler, ignore_eos, cancel)
         self.cached_ids = (ids + gen.token_ids)[: self.cache.length]
         return gen
 

@@ -33,6 +33,8 @@ def build_parser() -> ArgumentParser:
                     help="with --prompts-file: sequences decoded together (more are queued; default 8)")
     ap.add_argument("--max-new-tokens", type=integer(1), default=256)
     ap.add_argument("--no-template", action="store_true", help="feed the prompt as raw text, no chat template")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="decode past the end-of-sequence token to --max-new-tokens (a benchmark's fixed length)")
     ap.add_argument("--matrix", default=None, help="load the recycling matrix from FILE if it exists; save it back")
     ap.add_argument("--json", action="store_true", help="print ids, text and timings as one JSON object")
     return ap
@@ -52,7 +54,8 @@ def main(argv=None) -> int:
         return answer_file(engine, prompts, args, sampling)
     result = engine.generate(args.prompt, args.max_new_tokens, chat_template=not args.no_template,
                              method=args.method, seed_from_prompt=args.seed_from_prompt,
-                             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+                             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                             ignore_eos=args.ignore_eos)
     try:
         if args.json:
             print(json.dumps({**result.as_dict(), "cpu_tier": engine.cpu_tier}, ensure_ascii=False), flush=True)
@@ -107,7 +110,7 @@ def answer_file(engine, prompts: list, args, sampling) -> int:
     results = engine.generate_batch([p if i not in bad else [] for i, p in enumerate(prompts)], args.max_new_tokens,
                                     chat_template=not args.no_template, method=args.method,
                                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                    seed=args.seed, seed_from_prompt=args.seed_from_prompt)
+                                    seed=args.seed, seed_from_prompt=args.seed_from_prompt, ignore_eos=args.ignore_eos)
     failed = 0
     for i, r in enumerate(results):
         error = f"prompt {i}: {bad[i]}" if i in bad else r.error

@@ -89,7 +89,7 @@ class Handle:
 
     def cancel(self) -> None:
         """Leave at the next step boundary (or before joining), freeing the slot."""
-        self.request.cancelled = True
+        self.request.cancel()
 
 
 class Scheduler:
