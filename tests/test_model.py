@@ -70,13 +70,16 @@ def test_a_packed_models_prompt_caches_the_same_bits_whole_in_chunks_or_token_by
     ids = torch.randint(0, 300, (300,), generator=torch.Generator().manual_seed(3))
     model.set_max_positions(320)
     runs = []
-    for cuts in [(0, 300), (0, 100, 101, 257, 300), (0, 250, *range(251, 301))]:
+    for fused, cuts in [(True, (0, 300)), (True, (0, 100, 101, 257, 300)), (True, (0, 250, *range(251, 301))),
+                        (False, (0, 300)), (False, (0, 120, 300))]:  # (False: the module path, as under --tp)
+        model.fused_layers = fused
         cache = KVCache(model.config, 320, dtype, "cpu")
         with torch.inference_mode():
             logits = torch.cat([model(ids[a:b], torch.arange(a, b), cache.data, a) for a, b in zip(cuts, cuts[1:])])
         runs.append((logits, cache.data[:, :, :, :300].clone()))
-    for logits, kv in runs[1:]:
+    for logits, kv in runs[1:3]:
         assert torch.equal(logits, runs[0][0]) and torch.equal(kv, runs[0][1])
+    assert torch.equal(runs[4][0], runs[3][0]) and torch.equal(runs[4][1], runs[3][1])
 
 
 def test_tree_mask_equals_separate_causal_branches(tiny_factory):

@@ -3,6 +3,7 @@ port of 127.0.0.1, and spoken to with OpenAI's own client (and raw HTTP where a 
 
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -26,12 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 class Server:
     """`python -m tr_engine.serve` in a child process, on a free port; stop() sends SIGTERM and waits."""
 
-    def __init__(self, model: str, *flags: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.process = subprocess.Popen([sys.executable, "-m", "tr_engine.serve", "--model", model, "--port",
-                                         str(self.port), *flags], cwd=ROOT, stdout=subprocess.PIPE,
+    def __init__(self, model: str, *flags: str, launcher: tuple[str, ...] = ()):
+        self.port = free_port()
+        self.process = subprocess.Popen([sys.executable, *launcher, "-m", "tr_engine.serve", "--model", model,
+                                         "--port", str(self.port), *flags], cwd=ROOT, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 180
         while True:
@@ -71,6 +70,12 @@ class Server:
             self.process.send_signal(signal.SIGTERM)
         out, _ = self.process.communicate(timeout=timeout)
         return self.process.returncode, out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -341,3 +346,54 @@ def test_a_taken_port_is_one_line_before_the_model_loads(server, tiny):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: cannot listen on 127.0.0.1:{server.port} (Address already in use); pick another --port, or stop "
         "what uses it"], proc.stderr
+
+
+def test_torchrun_serves_tp2_and_answers_the_openai_client_as_one_process_does(tiny, alone):
+    """`torchrun --nproc-per-node 2 -m tr_engine.serve --tp 2`: rank 0 serves HTTP and both ranks decode the batch in
+    step (gloo); concurrent clients, streamed and whole, get one process's answers; SIGTERM stops both ranks
+    cleanly, the running requests finished first."""
+    launcher = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
+    server = Server(tiny, "--tp", "2", "--dtype", "float64", "--batch", "3", "--no-persist", "--max-context", "256",
+                    launcher=launcher)
+    try:
+        want = [alone(messages(p)).text for p in PROMPTS]
+        got = [None] * len(PROMPTS)
+
+        def client(i):
+            if i % 2:
+                stream = server.client.chat.completions.create(model=server.model, messages=messages(PROMPTS[i]),
+                                                               max_tokens=24, temperature=0, stream=True)
+                got[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            else:
+                got[i] = server.client.chat.completions.create(model=server.model, messages=messages(PROMPTS[i]),
+                                                               max_tokens=24, temperature=0).choices[0].message.content
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == want
+        time.sleep(12)  # idle past a heartbeat (Lockstep.HEARTBEAT_S): the other rank is still in step
+        second = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": want[0]},
+                  {"role": "user", "content": "and then?"}]
+        again = server.client.chat.completions.create(model=server.model, messages=second, max_tokens=24,
+                                                      temperature=0)
+        assert again.choices[0].message.content == alone(second).text  # (a reused prefix on both ranks)
+        # Stopped as a process manager stops a server, with SIGTERM to the rank that serves (torchrun's own SIGTERM
+        # handler ends torchrun with status 1 and a traceback of its own, whatever its workers do).
+        os.kill(rank_pid(server.process.pid, 0), signal.SIGTERM)
+        server.process.wait(90)  # both ranks end, and with them torchrun
+    finally:
+        code, out = server.stop()
+    assert code == 0, out
+    assert "Traceback" not in out and "error" not in out.lower(), out
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the child of torchrun (pid `launcher`) that runs rank `rank` (its RANK variable)."""
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    raise AssertionError(f"torchrun ({launcher}) has no rank {rank} among its children")

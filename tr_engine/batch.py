@@ -105,15 +105,19 @@ class Listed:
     def take(self, block: bool):
         return next(self.pending, END)
 
+    @staticmethod
+    def leaving(active: list[Request]) -> list[Request]:
+        return [r for r in active if r.cancelled]
+
 
 def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: tuple[int, ...], ops,
                 limit: int | None = None, reuse_prefix: bool = False):
     """Decode `requests` with at most `limit` (default cache.slots) of them in each forward, drafting with `drafter`
     (None: plain decoding). Yields Events as tokens are committed; a request ends with an Event carrying its
     Generation or its error. `requests` is an iterable of Requests in id order, or a source whose take(block)
-    returns the next Request, None when none is waiting (only when block is False: the batch is running), or END
-    (tr_engine/scheduler.py: requests that arrive while the batch runs). A request whose `cancelled` is set leaves at
-    the next step boundary with the error "cancelled". With `reuse_prefix`, a request takes the free slot that holds
+    returns the next Request, None when none is waiting yet, or END, and whose leaving(active) returns the running
+    requests to drop (tr_engine/scheduler.py: requests that arrive while the batch runs, and leave when cancelled). A
+    cancelled request leaves at the next step boundary with the error "cancelled". With `reuse_prefix`, a request takes the free slot that holds
     the longest start of its prompt (a finished request's prompt and answer stay in its slot) and prefills only the
     rest: the same bits as a cold prefill, the kernels being row-independent."""
     limit = cache.slots if limit is None else min(limit, cache.slots)
@@ -157,7 +161,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     ended = False
     try:
         while True:
-            for r in [r for r in active.values() if r.cancelled]:  # left since the last step
+            for r in source.leaving(list(active.values())):  # cancelled since the last step
                 yield Event(r.id, [], done=finish(r), error="cancelled")
             while not ended and cache.free() and len(active) < limit:  # join at the step boundary
                 r = source.take(block=not active)

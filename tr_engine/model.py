@@ -26,7 +26,7 @@ from torch import nn
 
 from tr_engine.config import LlamaConfig, rope_inv_freq
 from tr_engine.functional import apply_rope, rms_norm
-from tr_engine.ops import resolve_ops
+from tr_engine.ops import is_compiled, resolve_ops
 from tr_engine.parallel import ALONE, Shard, local_config
 
 
@@ -337,11 +337,12 @@ class Llama(nn.Module):
             mask = AttentionMask(tree=self.one_node)
         elif T == 1:
             mask = AttentionMask()  # a GPU decode step: PyTorch's fused attention, nothing to mask
-        elif self.fused_layers:
-            # A packed CPU model's prompt chunk: a causal "tree" through the same op as its decode steps, each row
-            # the bits of the decode step at its position (the kernel attends a causal chunk as a growing prefix). A
-            # prompt prefilled whole, in chunks, or after a cached prefix (the next turn, a slot's reused prefix)
-            # then caches the same K/V and gives the same logits: what makes prefix reuse exact.
+        elif device.type == "cpu" and is_compiled(self.ops, "tree_attention"):
+            # A prompt chunk on a CPU with the compiled kernels: a causal "tree" through the attention op of the
+            # decode steps (and for a packed model through its one op for the layers), each row the bits of the
+            # decode step at its position (the kernel attends a causal chunk as a growing prefix). A prompt
+            # prefilled whole, in chunks, or after a cached prefix (the next turn, a slot's reused prefix) then
+            # caches the same K/V and gives the same logits: what makes prefix reuse exact.
             mask = AttentionMask(tree=torch.ones(T, T, dtype=torch.bool).tril())
         elif start == 0 and device.type == "cpu":
             mask = AttentionMask(causal=True)

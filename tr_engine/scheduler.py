@@ -24,6 +24,7 @@ import itertools
 import queue
 import sys
 import threading
+import time
 from collections import deque
 
 from tr_engine.batch import END, Request, batch_steps
@@ -114,7 +115,9 @@ class Scheduler:
         self._chores: list = []  # between_steps' callables, for the batch's thread
         drafter = None if self.method == AR else engine.priced(engine.drafter(self.method))
         self._seed_matrix = seeder(drafter, checks.flag(seed_from_prompt, "seed_from_prompt"))
-        self._steps = batch_steps(engine.model, engine.batch_cache(), self, drafter, engine.tokenizer.eos_ids,
+        shard = engine.model.shard  # under --tp every rank runs this loop: rank 0's decisions, followed by all
+        source = self if shard.world == 1 else Lockstep(shard, self)
+        self._steps = batch_steps(engine.model, engine.batch_cache(), source, drafter, engine.tokenizer.eos_ids,
                                   engine.ops, reuse_prefix=checks.flag(prefix_reuse, "prefix_reuse"))
         self._finished = threading.Event()  # run() returned
         self._started = False
@@ -163,9 +166,11 @@ class Scheduler:
             self._cond.notify()
         return handle
 
-    def take(self, block: bool):
+    def take(self, block: bool, timeout: float | None = None):
         """batch_steps' request source: the next waiting request (cancelled ones are dropped), None when none waits,
-        END once closed and drained; with `block`, wait for one (doing the chores of between_steps meanwhile)."""
+        END once closed and drained; with `block`, wait for one (doing the chores of between_steps meanwhile), or
+        with `timeout` too, for at most that many seconds (then None)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:
                 while self._waiting and self._waiting[0].cancelled:
@@ -174,11 +179,22 @@ class Scheduler:
                     return self._waiting.popleft()
                 if self._closed:
                     return END
-                if not block:
+                left = None if deadline is None else deadline - time.monotonic()
+                if not block or (left is not None and left <= 0):
                     return None
                 if not self._chores:
-                    self._cond.wait()
+                    self._cond.wait(left)
             self._do_chores()
+
+    @staticmethod
+    def leaving(active: list[Request]) -> list[Request]:
+        """batch_steps' question at each step boundary: the running requests that were cancelled."""
+        return [r for r in active if r.cancelled]
+
+    def follow(self, spec) -> Request:
+        """A request rank 0 took (Lockstep's spec), as this rank's batch decodes it."""
+        rid, ids, max_new_tokens, sampler, ignore_eos = spec
+        return Request(rid, ids, max_new_tokens, sampler, ignore_eos=ignore_eos, seed_matrix=self._seed_matrix)
 
     def between_steps(self, chore) -> None:
         """Run chore() on the batch's thread at the next step boundary (at once when no request runs), where nothing
@@ -267,6 +283,35 @@ class Scheduler:
     def _end(handle: Handle, result: Generation | None, error: str | None) -> None:
         handle._result, handle._error = result, error
         handle._put(None)
+
+
+class Lockstep:
+    """The request source of a batch under tensor parallelism (--tp). Every rank runs the batch loop on the same
+    numbers (tr_engine/parallel.py), so every rank must also admit and drop the same requests at the same step
+    boundaries: rank 0's scheduler, which alone hears the clients, decides (take, leaving), and each decision is
+    broadcast to the other ranks, which rebuild the request (its ids, length, sampler and seed: the same draws) and
+    follow. While no request comes, rank 0 says so every HEARTBEAT_S seconds, so that the other ranks' wait, a
+    collective, never reaches the run's timeout."""
+
+    HEARTBEAT_S = 10.0
+
+    def __init__(self, shard, scheduler: "Scheduler"):
+        self.shard, self.scheduler = shard, scheduler
+
+    def take(self, block: bool):
+        spec = None
+        if self.shard.rank == 0:
+            r = self.scheduler.take(block, timeout=self.HEARTBEAT_S if block else None)
+            spec = "end" if r is END else None if r is None else (r.id, r.prompt_ids, r.max_new_tokens, r.sampler,
+                                                                  r.ignore_eos)
+        spec = self.shard.from_rank0(spec)
+        if self.shard.rank == 0:
+            return r
+        return END if spec == "end" else None if spec is None else self.scheduler.follow(spec)
+
+    def leaving(self, active: list[Request]) -> list[Request]:
+        ids = self.shard.from_rank0([r.id for r in Scheduler.leaving(active)] if self.shard.rank == 0 else None)
+        return [r for r in active if r.id in ids]
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

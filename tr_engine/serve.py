@@ -10,12 +10,16 @@ earlier turns still in a slot's cache (prefix reuse, least recently used slots e
 their errors:
 tr_engine/openai_api.py. HTTP and server-sent events are FastAPI on uvicorn, as vLLM and SGLang serve theirs.
 
+Under tensor parallelism (`torchrun --nproc-per-node N -m tr_engine.serve --tp N ...`) every rank runs the batch loop
+and rank 0 alone serves HTTP, telling the others which requests join and leave at each step (scheduler.Lockstep).
+
 The matrix is loaded at start (the same file the chat keeps, unless --matrix says otherwise) and saved atomically,
 every --save-every seconds between two steps and at the end. SIGTERM or Ctrl-C stops the server: it takes no new
 connections, lets running requests finish for up to --grace seconds (then ends them with an error), saves the matrix
 and exits 0. A second Ctrl-C skips the wait (the matrix is still saved).
 """
 
+import os
 import signal
 import socket
 import sys
@@ -69,11 +73,9 @@ def build_parser() -> ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.tp > 1:
-        raise UserError("--tp is not supported by the server yet (the generate and chat commands take it); leave it "
-                        "out")
     sampling = sampling_from_args(args)  # bad values are refused before the model loads
-    listener = listen(args.host, args.port)  # and a port that is taken
+    leader = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # (--tp under torchrun: rank 0 alone serves HTTP)
+    listener = listen(args.host, args.port) if leader else None  # and a port that is taken
     from tr_engine.openai_api import Defaults, create_app  # imports torch and FastAPI: after the checks
     from tr_engine.scheduler import Scheduler
 
@@ -83,6 +85,8 @@ def main(argv=None) -> int:
     # for every parallel op (tr_engine/scheduler.py says what a second one costs).
     scheduler = Scheduler(engine, args.method, args.max_queued, thread=False, prefix_reuse=args.prefix_reuse == "on",
                           seed_from_prompt=args.seed_from_prompt)
+    if engine.model.shard.rank != 0:
+        return follow(scheduler)
     name = args.served_model_name or engine.folder.name
     app = create_app(scheduler, name, Defaults(sampling))
     config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
@@ -131,6 +135,20 @@ def main(argv=None) -> int:
         print(f"error: the HTTP server stopped ({failed[0] if failed else 'it never started'}); its log above says "
               "why", file=sys.stderr, flush=True)
         return EXIT_BUG
+    return 0
+
+
+def follow(scheduler) -> int:
+    """A rank other than 0 under --tp: the same batch loop, admitting and dropping what rank 0 decides
+    (scheduler.Lockstep), until rank 0 closes it. Signals are left to rank 0 (torchrun sends each to every rank):
+    rank 0 finishes the running requests within its grace period and then ends the loop on every rank; a rank that
+    stopped on its own would end the run for all of them mid-answer."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        scheduler.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
