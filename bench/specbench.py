@@ -284,7 +284,7 @@ def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_
                drafters: dict | None = None, sampling: Sampling = GREEDY, seed: int | None = None) -> dict:
     """One turn with one method: the answer's ids and text, and what to record. Sampled turns take `seed`, the same
     for every method, so each method draws the same numbers (and, lossless, the same tokens)."""
-    sampled = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
+    sampled = dict(sampling=sampling, seed=seed)
     if method.startswith("hf-"):
         ids = engine.prompt_ids(messages)
         tokens, seconds = peer.generate(ids, max_new_tokens, lookup=method == "hf-pld")

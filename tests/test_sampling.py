@@ -460,3 +460,19 @@ def test_engine_sampling_is_seeded_and_method_independent(engine):
     first = [twin.generate("hi", 16, method=m, **kw).token_ids for m in ("ar", "tr", "ar")]
     second = [again.generate("hi", 16, method=m, **kw).token_ids for m in ("tr", "ar", "hybrid")]
     assert first == second
+
+
+def test_one_sampling_is_passed_through_untouched_or_built_from_the_keywords(tiny_factory):
+    from tr_engine.engine import Engine
+    from tr_engine.errors import InvalidType, InvalidValue
+    from tr_engine.sampling import Sampling, sampling_of
+
+    s = Sampling(0.7, 5, 0.9)
+    assert sampling_of(s) is s and sampling_of(None, 0.7, 5, 0.9) == s
+    with pytest.raises(InvalidValue, match="not both"):
+        sampling_of(s, temperature=0.5)
+    with pytest.raises(InvalidType, match="must be a Sampling"):
+        sampling_of({"temperature": 0.7})
+    engine = Engine.from_pretrained(str(tiny_factory("float32", dtype=torch.float64)), dtype="float64")
+    by_keywords = engine.generate("hello", 12, method="hybrid", temperature=0.7, top_k=5, top_p=0.9, seed=3)
+    assert engine.generate("hello", 12, method="hybrid", sampling=s, seed=3).token_ids == by_keywords.token_ids

@@ -60,10 +60,8 @@ class Session:
         """Stream the answer to `text` into `out`; the conversation keeps it, interrupted (Ctrl-C) or not."""
         self.messages.append({"role": "user", "content": text})
         pieces = []
-        s = self.sampling
         stream = self.engine.stream(self.messages, self.max_new_tokens, method=self.method,
-                                    seed_from_prompt=self.seed_from_prompt, reuse_cache=True,
-                                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+                                    seed_from_prompt=self.seed_from_prompt, reuse_cache=True, sampling=self.sampling)
         try:
             pieces.append(next(stream))  # the prompt is checked and prefilled here: a refused turn is not kept
         except StopIteration as done:

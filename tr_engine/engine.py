@@ -26,7 +26,7 @@ from tr_engine.methods import ADAPTIVE, AR, DEFAULT_METHOD, DRAFTERS, drafter_cl
 from tr_engine.model import Llama
 from tr_engine.models import home, resolve_model
 from tr_engine.ops import is_compiled, resolve_ops
-from tr_engine.sampling import GREEDY, Sampler, Sampling
+from tr_engine.sampling import GREEDY, Sampler, Sampling, sampling_of
 from tr_engine.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 from tr_engine.tree import load_tree
 from tr_engine.weights import load_model, parse_dtype
@@ -292,11 +292,13 @@ class Engine:
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
                  method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False,
                  drafter=None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, ignore_eos: bool = False, cancel=None) -> GenerateResult:
+                 seed: int | None = None, ignore_eos: bool = False, cancel=None,
+                 sampling: Sampling | None = None) -> GenerateResult:
         """Answer a prompt (a string, or a conversation as messages): `method` "ar" (plain decoding), "tr" (Token
         Recycling), "pld" (prompt lookup) or "hybrid" (both in one tree), default the engine's; all emit the same
         tokens, greedy (temperature 0, the default) or sampled from the model's distribution (temperature, top_k,
-        top_p; `seed` fixes this call's draws, else they come from the engine's seeded stream). `drafter` (from
+        top_p, or `sampling`, a Sampling built once where the request came in; `seed` fixes this call's draws, else they
+        come from the engine's seeded stream). `drafter` (from
         new_drafter) overrides `method`. The recycling matrix persists across calls. With `reuse_cache`, the part of
         the prompt the cache already holds (the earlier turns of a conversation, with their answers) is not computed
         again; otherwise every call starts from an empty cache. With `ignore_eos`, decoding goes on past the
@@ -305,15 +307,15 @@ class Engine:
         "cancelled"."""
         return run_to_end(self.stream(prompt, max_new_tokens, chat_template, method, seed_from_prompt, reuse_cache,
                                       drafter, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                      ignore_eos=ignore_eos, cancel=cancel))
+                                      ignore_eos=ignore_eos, cancel=cancel, sampling=sampling))
 
     def stream(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
                method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None,
                *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               ignore_eos: bool = False, cancel=None):
+               ignore_eos: bool = False, cancel=None, sampling: Sampling | None = None):
         """Like generate, yielding the answer's text as it is accepted (whole characters only); returns the
         GenerateResult (`result = yield from engine.stream(…)`, or StopIteration.value)."""
-        sampling = Sampling(temperature, top_k, top_p)
+        sampling = sampling_of(sampling, temperature, top_k, top_p)
         checks.integer(max_new_tokens, "max_new_tokens", 1)
         checks.flag(seed_from_prompt, "seed_from_prompt")
         checks.flag(reuse_cache, "reuse_cache")
@@ -345,7 +347,8 @@ class Engine:
     def generate_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
                        method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                        seed: int | None = None, batch_size: int | None = None,
-                       seed_from_prompt: bool = False, ignore_eos: bool = False) -> list[GenerateResult]:
+                       seed_from_prompt: bool = False, ignore_eos: bool = False,
+                       sampling: Sampling | None = None) -> list[GenerateResult]:
         """Answer many prompts at once, up to the engine's max_batch in each forward (more are queued and join as
         others finish): one GenerateResult per prompt, in order, each with exactly the tokens generate() gives that
         prompt alone (sampled: with `seed` + its index as its seed). A prompt that cannot run (empty, too long for
@@ -354,15 +357,16 @@ class Engine:
         prompt's prefill seeds the shared matrix, as in generate(); `ignore_eos` as in generate()."""
         return run_to_end(self.stream_batch(prompts, max_new_tokens, chat_template, method, temperature=temperature,
                                             top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
-                                            seed_from_prompt=seed_from_prompt, ignore_eos=ignore_eos))
+                                            seed_from_prompt=seed_from_prompt, ignore_eos=ignore_eos,
+                                            sampling=sampling))
 
     def stream_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
                      method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int | None = None, batch_size: int | None = None, seed_from_prompt: bool = False,
-                     ignore_eos: bool = False):
+                     ignore_eos: bool = False, sampling: Sampling | None = None):
         """Like generate_batch, yielding (prompt index, text piece) as each request's tokens are accepted; returns
         the results (`results = yield from engine.stream_batch(…)`)."""
-        sampling = Sampling(temperature, top_k, top_p)
+        sampling = sampling_of(sampling, temperature, top_k, top_p)
         checks.integer(max_new_tokens, "max_new_tokens", 1)
         checks.flag(seed_from_prompt, "seed_from_prompt")
         checks.flag(ignore_eos, "ignore_eos")

@@ -54,8 +54,7 @@ def main(argv=None) -> int:
         return answer_file(engine, prompts, args, sampling)
     result = engine.generate(args.prompt, args.max_new_tokens, chat_template=not args.no_template,
                              method=args.method, seed_from_prompt=args.seed_from_prompt,
-                             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                             ignore_eos=args.ignore_eos)
+                             sampling=sampling, ignore_eos=args.ignore_eos)
     try:
         if args.json:
             print(json.dumps({**result.as_dict(), "cpu_tier": engine.cpu_tier}, ensure_ascii=False), flush=True)
@@ -109,8 +108,7 @@ def answer_file(engine, prompts: list, args, sampling) -> int:
     bad = {i: p for i, p in enumerate(prompts) if isinstance(p, BadLine)}
     results = engine.generate_batch([p if i not in bad else [] for i, p in enumerate(prompts)], args.max_new_tokens,
                                     chat_template=not args.no_template, method=args.method,
-                                    temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                    seed=args.seed, seed_from_prompt=args.seed_from_prompt, ignore_eos=args.ignore_eos)
+                                    sampling=sampling, seed=args.seed, seed_from_prompt=args.seed_from_prompt, ignore_eos=args.ignore_eos)
     failed = 0
     for i, r in enumerate(results):
         error = f"prompt {i}: {bad[i]}" if i in bad else r.error

@@ -254,11 +254,9 @@ def respond(e: APIError) -> JSONResponse:
 
 
 def submit(state, job: Job):
-    s = job.sampling
     try:
-        return state.scheduler.submit(job.prompt, job.max_tokens, chat_template=job.chat, temperature=s.temperature,
-                                      top_k=s.top_k, top_p=s.top_p, seed=job.seed, ignore_eos=job.ignore_eos,
-                                      loop=asyncio.get_running_loop())
+        return state.scheduler.submit(job.prompt, job.max_tokens, chat_template=job.chat, sampling=job.sampling,
+                                      seed=job.seed, ignore_eos=job.ignore_eos, loop=asyncio.get_running_loop())
     except QueueFull as e:
         state.metrics.count("rejected_busy")
         raise APIError(503, f"the server is busy: {e}", kind="server_error", code="server_busy",

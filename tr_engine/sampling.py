@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tr_engine import checks
+from tr_engine.errors import InvalidType, InvalidValue
 
 # Top-p looks for its nucleus among this many most likely tokens first, and sorts the whole vocabulary only when they
 # hold less than top-p of the probability (a flat distribution). Both give the same set.
@@ -59,6 +60,18 @@ class Sampling:
 
 
 GREEDY = Sampling()
+
+
+def sampling_of(sampling: Sampling | None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
+    """A call's one Sampling: `sampling` as it was built (and checked) where the request came in, a command's flags
+    or an HTTP body, passed on untouched; or, without it, one built from the keywords of the Python API."""
+    if sampling is None:
+        return Sampling(temperature, top_k, top_p)
+    if not isinstance(sampling, Sampling):
+        raise InvalidType(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    if (temperature, top_k, top_p) != (0.0, 0, 1.0):
+        raise InvalidValue("give sampling= or temperature/top_k/top_p, not both")
+    return sampling
 
 
 def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:

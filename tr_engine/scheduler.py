@@ -31,7 +31,7 @@ from tr_engine.batch import END, Request, batch_steps
 from tr_engine.decode import Generation
 from tr_engine.errors import ContextOverflow, UserError
 from tr_engine.methods import AR
-from tr_engine.sampling import Sampling
+from tr_engine.sampling import Sampling, sampling_of
 
 
 class QueueFull(UserError):
@@ -131,15 +131,18 @@ class Scheduler:
 
     def submit(self, prompt, max_new_tokens: int | None = 256, *, chat_template: bool = True,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               sampling: Sampling | None = None,
                ignore_eos: bool = False, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
         """Queue a prompt (a string, messages, or with chat_template=False a list of token ids) for the running
         batch, for up to `max_new_tokens` (None: as many as the context holds after the prompt); its one-line error
         at once if it is not a prompt or does not fit (ContextOverflow), QueueFull when too many wait already,
-        RequestError after close(). With `ignore_eos`, it decodes past the end-of-sequence token to max_new_tokens.
+        RequestError after close(). Sampling as Engine.generate's: the keywords, or `sampling` (a Sampling, as an HTTP
+        body's fields were checked into). With `ignore_eos`, it decodes past the end-of-sequence token to
+        max_new_tokens.
         With `loop`, the handle is read with atokens() on that event loop."""
         from tr_engine import checks
 
-        sampling = Sampling(temperature, top_k, top_p)
+        sampling = sampling_of(sampling, temperature, top_k, top_p)
         if max_new_tokens is not None:
             checks.integer(max_new_tokens, "max_new_tokens", 1)
         if not chat_template and isinstance(prompt, (list, tuple)) and prompt and \
