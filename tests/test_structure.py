@@ -103,3 +103,44 @@ def test_the_cycle_finder_finds_direct_deferred_and_relative_imports(tmp_path):
         assert imports_of(pkg / "y.py", modules) == {"p", "p.x"}
     finally:
         ROOT = saved
+
+
+def calls_of(module: str, name: str) -> list[str]:
+    """The package's functions that call `module`'s function `name`: in `module` itself by its name, elsewhere
+    through `from module import name` (under its alias) or `module_tail.name(...)` after importing the module."""
+    tail = module.rpartition(".")[2]
+    callers = []
+    for path in sorted((ROOT / "tr_engine").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        here = module_name(path) == module
+        aliases = {name} if here else set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == module:
+                aliases |= {a.asname or a.name for a in node.names if a.name == name}
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            local = {n.name for n in ast.walk(fn) if isinstance(n, ast.FunctionDef) and n is not fn}  # (shadows)
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    if (isinstance(f, ast.Name) and f.id in aliases - local) or (
+                            isinstance(f, ast.Attribute) and f.attr == name and isinstance(f.value, ast.Name)
+                            and f.value.id == tail):
+                        callers.append(f"{module_name(path)}.{fn.name}")
+    return callers
+
+
+def test_one_decode_loop_drives_the_one_step_and_the_step_is_short():
+    """The paper's loop is one `step` (retrieve, verify, accept, compact, learn, recycle; at most 40 lines with its
+    docstring), and one driver runs it for one sequence or many (tr_engine/batch.py); the plain decoding of
+    tr_engine/decode.py is the tests' oracle, and token_recycling_reference the teaching twin, not production loops."""
+    source = (ROOT / "tr_engine" / "speculative.py").read_text()
+    step = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "step")
+    assert step.end_lineno - step.lineno + 1 <= 40
+    assert calls_of("tr_engine.speculative", "step") == ["tr_engine.batch.batch_steps"]
+    assert set(calls_of("tr_engine.batch", "batch_steps")) == {"tr_engine.batch.speculative_steps",
+                                                                "tr_engine.engine.stream_batch",
+                                                                "tr_engine.scheduler.__init__"}  # (methods by name)
+    assert calls_of("tr_engine.decode", "plain_steps") == ["tr_engine.decode.plain_generate"]  # (the oracle's own)
+    assert calls_of("tr_engine.decode", "plain_generate") == []  # (the tests' and a benchmark's, not the engine's)

@@ -168,26 +168,16 @@ def step(model: Llama, caches: list[KVCache], histories: list[list[int]], drafte
     """One forward for one sequence or many: retrieve -> verify -> accept -> compact -> learn -> recycle.
 
     Sequence i has its own cache (`caches[i]`, holding all of `histories[i]` but its last token, the root), its
-    sampler (None: greedy) and `done[i]` tokens generated before this step (its sampled draws' index). One sequence
-    is verified by `verify`; several by `verify_many(drafts)`, one ragged forward over their caches
-    (tr_engine/batch.py). Greedy under tensor parallelism, one sequence's step needs of each node's logits only the
-    top-k over the whole vocabulary (the first for acceptance, all k for recycling): merged from the ranks' columns,
-    not gathered whole. Returns each sequence's draft and the tokens it commits (before stop rules: `stop`)."""
+    sampler (None: greedy) and `done[i]` tokens generated before this step (its sampled draws' index). Several
+    sequences are verified by `verify_many(drafts)`, one ragged forward over their caches (tr_engine/batch.py).
+    Returns each sequence's draft and the tokens it commits (before stop rules: `stop`)."""
     clock = clock or PhaseClock()
     clock.start()
     drafts = retrieve(drafter, histories, caches)
     clock.lap("retrieve")
-    one = len(drafts) == 1
-    sharded = (one and drafter is not None and samplers[0] is None and model.shard.world > 1
-               and hasattr(drafter, "recycle_top"))
-    if sharded:
-        top_values, top_ids = model.top_k(verify(model, caches[0], drafts[0], gather=False), drafter.top_k)
-        rows = [None]
-    else:
-        logits = verify(model, caches[0], drafts[0]) if one else verify_many(drafts)
-        rows = [logits] if one else logits.split([d.tree.size for d in drafts])
+    logits, rows, top = verify_all(model, caches, drafts, drafter, samplers, verify_many)
     clock.lap("verify")
-    accepted = [accept(d, top_ids[:, 0]) if sharded
+    accepted = [accept(d, top[1][:, 0]) if top is not None
                 else accept(d, greedy(lg, ops)) if sampler is None
                 else accept_sampled(d, lg, sampler, j)
                 for d, lg, sampler, j in zip(drafts, rows, samplers, done)]
@@ -196,21 +186,47 @@ def step(model: Llama, caches: list[KVCache], histories: list[list[int]], drafte
         compact(cache, path, ops)
     seconds = clock.lap("compact")  # drafting to compaction: what the adaptive tree prices
     if drafter is not None:
-        for d, (_, tokens) in zip(drafts, accepted):  # (the adaptive tree's statistics; alone, its step times)
-            drafter.learn(d, tokens, seconds if one else 0.0)
-        adaptive = getattr(drafter, "adaptive", None)
-        if not one and adaptive is not None:  # the whole forward's tokens at the batch's mean prefix (plan_batch's)
-            adaptive.observe_step(sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts),
-                                  seconds)
-        if sharded:
-            drafter.recycle_top(drafts[0], top_values, top_ids)
-        elif not one and hasattr(drafter, "recycle_batch"):
-            drafter.recycle_batch(drafts, logits)  # in sequence order, then breadth-first: the last writer wins
-        else:
-            for d, lg in zip(drafts, rows):
-                drafter.recycle(d, lg)
+        learn(drafter, drafts, accepted, seconds)
+        recycle(drafter, drafts, logits, rows, top)
     clock.lap("recycle")
     return drafts, [tokens for _, tokens in accepted]
+
+
+def verify_all(model: Llama, caches: list[KVCache], drafts: list[Draft], drafter, samplers, verify_many):
+    """Every draft's logits, one forward: all of them [sum of n_i + 1, V], each sequence's rows, and None; or, for
+    one greedy sequence under tensor parallelism, None, [None] and the merged top-k (values, ids) [n + 1, k] of its
+    rows over the whole vocabulary, all a greedy step needs (the first for acceptance, all k for recycling), not the
+    logits gathered."""
+    if len(drafts) > 1:
+        logits = verify_many(drafts)
+        return logits, logits.split([d.tree.size for d in drafts]), None
+    if drafter is not None and samplers[0] is None and model.shard.world > 1 and hasattr(drafter, "recycle_top"):
+        return None, [None], model.top_k(verify(model, caches[0], drafts[0], gather=False), drafter.top_k)
+    logits = verify(model, caches[0], drafts[0])
+    return logits, [logits], None
+
+
+def learn(drafter, drafts: list[Draft], accepted, seconds: float) -> None:
+    """The drafter's statistics from what each sequence accepted; the adaptive tree's step times: alone, the step's
+    seconds; in a batch, the whole forward's tokens at the batch's mean prefix (what plan_batch prices)."""
+    one = len(drafts) == 1
+    for d, (_, tokens) in zip(drafts, accepted):
+        drafter.learn(d, tokens, seconds if one else 0.0)
+    adaptive = getattr(drafter, "adaptive", None)
+    if not one and adaptive is not None:
+        adaptive.observe_step(sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts), seconds)
+
+
+def recycle(drafter, drafts: list[Draft], logits, rows, top) -> None:
+    """Every node's top-k into the matrix: from the merged top-k (tensor parallelism), or from the logits, a batch's
+    in sequence order, each breadth-first (the last writer wins)."""
+    if top is not None:
+        drafter.recycle_top(drafts[0], *top)
+    elif len(drafts) > 1 and hasattr(drafter, "recycle_batch"):
+        drafter.recycle_batch(drafts, logits)
+    else:
+        for d, lg in zip(drafts, rows):
+            drafter.recycle(d, lg)
 
 
 def prefill_and_seed(model: Llama, cache: KVCache, ids: list[int], seed_matrix=None) -> torch.Tensor:
