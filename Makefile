@@ -12,7 +12,7 @@ PROMPT      ?= What is the capital of France?
 MODEL       ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 CSRC        := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*/*.cpp csrc/*/*/*.h \
-                 csrc/*/*/*.map) setup.py tr_engine/cpu.py
+                 csrc/*/*/*.map) setup.py tr_engine/model/cpu.py
 
 .PHONY: install model chat serve generate test test-fast fuzz bench bench-ar bench-kernels bench-step bench-peers \
         bench-soak bench-serve cuda-check gpu-check mutants clean

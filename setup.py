@@ -1,6 +1,6 @@
 """Builds tr_engine, its op library tr_engine._C (the ops' registrations and argument checks; the CUDA kernels when
 torch has CUDA and nvcc is found) and one CPU kernel library per instruction-set tier, tr_engine/_cpu_<tier>.so
-(tr_engine/cpu.py lists the tiers and their flags). Install without build isolation so the build uses the torch
+(tr_engine/model/cpu.py lists the tiers and their flags). Install without build isolation so the build uses the torch
 already installed:
 
     pip install --no-build-isolation -e .
@@ -25,7 +25,7 @@ from torch.utils import cpp_extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from tr_engine.cpu import compile_flags, for_this_machine  # noqa: E402  (the tier table; imports nothing heavy)
+from tr_engine.model.cpu import compile_flags, for_this_machine  # noqa: E402  (the tier table; imports nothing heavy)
 
 
 def generated(name: str, text: str) -> str:
@@ -82,7 +82,8 @@ def tier_source(tier) -> str:
 
 
 def tier_library(tier):
-    """One tier's kernels: csrc/cpu/kernels/ (no torch) with the tier's flags (tr_engine/cpu.py says why each), and a
+    """One tier's kernels: csrc/cpu/kernels/ (no torch) with the tier's flags (tr_engine/model/cpu.py says why each),
+    and a
     version script that exports the one entry point."""
     return Extension(f"tr_engine._cpu_{tier.name}", [tier_source(tier)], language="c++",
                      depends=sorted(glob.glob("csrc/cpu/kernels/*.h")) + ["csrc/cpu/kernels/tier.cpp"],
@@ -120,7 +121,7 @@ setup(
     version="0.1.0",
     description="Token Recycling: lossless speculative decoding with no draft model, with C++/CUDA kernels",
     packages=find_packages(include=["tr_engine", "tr_engine.*", "weights_tools", "weights_tools.*"]),
-    package_data={"tr_engine": ["trees/*.json"]},  # the paper's tree (--tree 2.2.2, and the adaptive tree's shape)
+    package_data={"tr_engine": ["core/trees/*.json"]},  # the paper's tree (--tree 2.2.2, and the adaptive tree's shape)
     python_requires=">=3.10",
     ext_modules=[] if os.environ.get("TR_ENGINE_PREBUILT") == "1" else extensions,
     cmdclass={"build_ext": BuildExtension},

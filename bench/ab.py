@@ -15,7 +15,8 @@ Two measurements of one machine's curve differ by a few percent, and the trees p
 this checkout against itself read 0.986x on SmolLM2 fp32 hybrid (1337 against 1387 forwards; 8-token verifies priced
 at 1.43 and 1.55 plain steps). `--shared-curve` takes the calibration out of the comparison: the after side measures
 the curve and the before side plans with the same one. The trees can still part: each side corrects its prices
-online from its own step times (tr_engine/adaptive.py, StepTimes), and one different tree sends the recycling matrix
+online from its own step times (tr_engine/core/adaptive.py, StepTimes), and one different tree sends the recycling
+matrix
 down another path. So read the forwards and ms per forward beside the ratio, and a few percent either way as noise.
 """
 
@@ -39,7 +40,7 @@ def worker() -> None:
     # from another spell of this machine (one measured while it was slow priced a 6-token fp32 verify at one plain
     # step, its trees grew, and hybrid read 0.970x against a side that had measured its own).
     if config.get("curve"):  # the other side's curve (set as the engine's own: an older checkout has no use_cost)
-        from tr_engine.cost import CostModel
+        from tr_engine.core.cost import CostModel
 
         c = config["curve"]
         engine._cost = CostModel(tuple(c["sizes"]), tuple(c["prefixes"]), c["relative"], c["plain_s"],
@@ -169,7 +170,7 @@ def write(path: Path, data: dict, info: dict, args) -> str:
 def main(argv=None) -> int:  # (the imports here, not at the top: a worker imports its own checkout's tr_engine alone)
     from bench.machine import machine_info
     from bench.specbench import DEFAULT_QUESTIONS
-    from tr_engine.cli import ArgumentParser
+    from tr_engine.cli.common import ArgumentParser
 
     ap = ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", type=Path, required=True, help="the checkout to compare against (its ops built)")
@@ -197,6 +198,6 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:
         worker()
     else:
-        from tr_engine.cli import run as run_cli
+        from tr_engine.cli.common import run as run_cli
 
         raise SystemExit(run_cli(main))

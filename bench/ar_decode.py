@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info, machine_line, save_results
-from tr_engine.cli import ArgumentParser, run
-from tr_engine.decode import plain_generate
+from tr_engine.cli.common import ArgumentParser, run
+from tr_engine.core.decode import plain_generate
 from tr_engine.engine import Engine
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
 
-    from tr_engine.models import resolve_model
+    from tr_engine.model.folders import resolve_model
 
     torch.set_num_threads(args.threads)
     info = machine_info()  # before the run: the commit that produced the numbers

@@ -145,8 +145,8 @@ def plot(path: Path, data: dict) -> None:
 def main(argv=None) -> int:
     from bench.machine import machine_info
     from bench.specbench import DEFAULT_QUESTIONS
-    from tr_engine.cli import ArgumentParser
-    from tr_engine.cli_args import integer
+    from tr_engine.cli.common import ArgumentParser
+    from tr_engine.cli.args import integer
 
     ap = ArgumentParser(prog="python -m bench.batch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -164,6 +164,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from tr_engine.cli import run as run_cli
+    from tr_engine.cli.common import run as run_cli
 
     raise SystemExit(run_cli(main))

@@ -3,7 +3,7 @@ shape (Vicuna-7B by default) with random bf16 weights is written to a scratch fo
 chat picks Vicuna's template as it does for a real Vicuna folder that has none, with a sentencepiece tokenizer of
 Llama-2's kind (BPE, byte fallback) trained on the Spec-Bench questions: as many pieces as they yield, up to the
 shape's vocabulary (bench.load_memory.write_checkpoint zeroes the LM head's rows past them). Then `python -m
-tr_engine.chat` answers the same two turns, piped, in a fresh process per method: plain decoding, and the default
+tr_engine.cli.chat` answers the same two turns, piped, in a fresh process per method: plain decoding, and the default
 method with `--recalibrate`, so that its one-time measurement of the verify cost (the adaptive tree's input) is
 timed on its own, right after loading.
 
@@ -31,8 +31,8 @@ from bench.load_memory import write_checkpoint
 from bench.machine import machine_info, machine_line, save_results, status_kb
 from bench.shapes import SHAPES
 from bench.specbench import DEFAULT_QUESTIONS, load_questions
-from tr_engine.cli import ArgumentParser, run
-from tr_engine.cli_args import integer
+from tr_engine.cli.common import ArgumentParser, run
+from tr_engine.cli.args import integer
 
 STATUS = re.compile(r"\[(\d+) tokens, ([\d.]+) tok/s(?:, MAT ([\d.]+))?, (\w+), prefill (\d+) tokens in ([\d.]+)s\]")
 NOTICE = "measuring this machine's verify cost"

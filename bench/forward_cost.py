@@ -1,7 +1,8 @@
 """The cost of one verify forward against the number of draft-tree tokens and the prefix length, with a plain decode
 step (one token) as 1.0: the curve that decides how big a draft tree can pay on a given machine. The engine's own
 forward (kernels), a breadth-first 4-ary tree of T tokens (the paper's 2.2.2 tree at T = 81; T = 1 is the plain
-step), medians of repeated forwards, every T timed in alternation (tr_engine.cost.time_steps, which also measures the
+step), medians of repeated forwards, every T timed in alternation (tr_engine.core.cost.time_steps, which also measures
+the
 adaptive tree's cost curve). Writes forward_cost_<dtype>.{json,md,png}.
 
     python -m bench.forward_cost [--dtypes float32 bfloat16] [--prefixes 128 512 1024] [--reps 9]
@@ -26,8 +27,8 @@ import torch
 
 from bench.machine import copy_bandwidth, machine_info, machine_line, read_bandwidth, rss_kb, save_results
 from bench.shapes import SHAPES, held_bytes, weight_bytes
-from tr_engine.cli import ArgumentParser, run
-from tr_engine.cost import time_steps
+from tr_engine.cli.common import ArgumentParser, run
+from tr_engine.core.cost import time_steps
 from tr_engine.engine import Engine
 
 TREE_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 81, 96, 128)
@@ -108,9 +109,9 @@ def against_floor(model, cache, prefix: int, rounds: int = 5) -> list[tuple[floa
 def shape_run(args, dtype: str, info: dict) -> list[str]:
     """--shape: a random model of that shape against this machine's bandwidth floor, its verify curve, and the
     projected speedup; writes forward_cost_<shape>_<dtype>.*. Returns the report's lines."""
-    from tr_engine.cost import time_steps
-    from tr_engine.kv_cache import KVCache
-    from tr_engine.weights import random_model
+    from tr_engine.core.cost import time_steps
+    from tr_engine.model.kv_cache import KVCache
+    from tr_engine.model.weights import random_model
 
     config, dt = SHAPES[args.shape], getattr(torch, dtype)
     sizes, prefixes = SHAPE_TREE_TOKENS, args.prefixes or SHAPE_PREFIXES

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from bench.gpu_report import plot, summary
 from bench.gpu_stages import ROOT, STAGE_FUNCS, jsonable, run_stage
-from tr_engine.cli import ArgumentParser, run
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.errors import UserError
 
 BUDGET_S = 540  # 9 minutes, whatever happens

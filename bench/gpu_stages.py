@@ -187,10 +187,10 @@ def stage_steps(s: Stage, shape: str) -> dict:
 def _steps_of(s: Stage, config, measured: str, dtype, bw: float | None, reps: int) -> dict:
     """One dtype of stage_steps: a random model, its plain step against the floor, its verify curve, both modes."""
     from bench.shapes import kv_bytes, weight_bytes
-    from tr_engine.cost import time_steps
-    from tr_engine.graphs import StepGraphs
-    from tr_engine.kv_cache import KVCache
-    from tr_engine.weights import random_model
+    from tr_engine.core.cost import time_steps
+    from tr_engine.model.graphs import StepGraphs
+    from tr_engine.model.kv_cache import KVCache
+    from tr_engine.model.weights import random_model
 
     name = str(dtype).removeprefix("torch.")
     capacity = max(PREFIXES) + max(VERIFY_SIZES) + 8
@@ -260,9 +260,9 @@ def stage_methods(s: Stage) -> dict:
 def _methods_of(s: Stage, folder, prompts: list[str], mode: str, dtype: str, graphs: bool, strict: bool) -> dict:
     """One engine (eager, or with CUDA graphs: on a CPU their uncaptured twin), every method on every prompt; with
     `strict`, a method whose tokens differ from plain decoding's is a failure."""
-    from tr_engine.cost import BUCKETS
+    from tr_engine.core.cost import BUCKETS
     from tr_engine.engine import Engine
-    from tr_engine.graphs import StepGraphs, graph_buckets
+    from tr_engine.model.graphs import StepGraphs, graph_buckets
 
     engine = Engine.from_pretrained(str(folder), device=s.device, dtype=dtype, max_context=512,
                                     cuda_graphs=graphs and s.gpu)

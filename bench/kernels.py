@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 from bench.machine import copy_bandwidth, machine_info, machine_line, save_results
 from bench.shapes import SHAPES, projections
-from tr_engine import cpu, reference
-from tr_engine.cli import ArgumentParser, run
-from tr_engine.cli_args import integer
-from tr_engine.ops import load_ops
-from tr_engine.tree import sample_tree_mask as tree_mask
+from tr_engine.model import cpu, reference
+from tr_engine.cli.common import ArgumentParser, run
+from tr_engine.cli.args import integer
+from tr_engine.model.ops import load_ops
+from tr_engine.core.tree import sample_tree_mask as tree_mask
 
 TREE_TOKENS = (1, 16, 32, 64, 81, 128)
 MATMUL_ROWS = (1, 4, 8, 12, 16, 32, 81, 512)  # a decode step, draft trees, the 2.2.2 tree, a prefill
@@ -210,8 +210,8 @@ def main(argv=None) -> int:
     info = machine_info(args.device)
     config = None
     if args.model is not None:
-        from tr_engine.config import LlamaConfig
-        from tr_engine.models import resolve_model
+        from tr_engine.model.config import LlamaConfig
+        from tr_engine.model.folders import resolve_model
 
         folder = resolve_model(args.model)
         config, args.shape = LlamaConfig.from_json(folder / "config.json"), folder.name

@@ -1,6 +1,6 @@
 """What loading a model costs in memory and time, at a real model's size without its weights: a checkpoint of that
 shape with random values is written to a scratch folder (sharded as Hugging Face shards it, one file per 4 layers),
-loaded by tr_engine.weights.load_model in a fresh process as bfloat16, and deleted. Reported: seconds to load, the
+loaded by tr_engine.model.weights.load_model in a fresh process as bfloat16, and deleted. Reported: seconds to load, the
 bytes of weights the model holds, and how much the process grew, after loading and at its peak (VmHWM), as
 multiples of those bytes: a model that loads in about one model's worth of memory, with no second copy at any point.
 Checkpoints stored in float16 are cast while loading. Writes load_memory_<shape>.{md,json}.
@@ -19,13 +19,13 @@ import torch
 
 from bench.machine import machine_info, machine_line, save_results
 from bench.shapes import SHAPES
-from tr_engine.cli import ArgumentParser, run
+from tr_engine.cli.common import ArgumentParser, run
 
 LOAD = """
 import sys, time, torch
 from pathlib import Path
 from bench.shapes import held_bytes
-from tr_engine.weights import load_model
+from tr_engine.model.weights import load_model
 
 def kb(field):
     return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
@@ -127,8 +127,8 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
     lines = [f"# Loading {args.shape} as bfloat16: memory and time", "",
              f"Machine: {machine_line(info)}. A checkpoint of {args.shape}'s shape with random weights, sharded one "
-             "file per 4 layers, loaded by `tr_engine.weights.load_model` in a fresh process (after a tiny model's "
-             "load, for the one-time costs). Held: the bytes of the weights the model keeps (packed). After and peak: "
+             "file per 4 layers, loaded by `tr_engine.model.weights.load_model` in a fresh process (after a tiny "
+             "model's load, for the one-time costs). Held: the bytes of the weights the model keeps (packed). After and peak: "
              "how much the process grew (VmRSS after loading, VmHWM), as multiples of that.", "",
              "| stored as | checkpoint GB | load s | held GB | after | peak |", "|---|---|---|---|---|---|"]
     for stored, r in rows.items():

@@ -35,8 +35,8 @@ def git_commit() -> str:
 
 
 def cpu_tier() -> str:
-    """The CPU kernel tier the ops run (tr_engine/cpu.py), loading the default one if none is yet."""
-    from tr_engine import cpu
+    """The CPU kernel tier the ops run (tr_engine/model/cpu.py), loading the default one if none is yet."""
+    from tr_engine.model import cpu
     from tr_engine.errors import UserError
 
     try:

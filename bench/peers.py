@@ -7,7 +7,7 @@ sets (weight bytes / bandwidth): against the run's median bandwidth, and against
 
     python -m bench.peers [--tier avx2] [--per-group 2] [--max-new-tokens 128] [--threads 2] [--dtypes bfloat16 float32]
 
-Both sides for one instruction set: ours on a CPU kernel tier (tr_engine/cpu.py; default the best this CPU runs),
+Both sides for one instruction set: ours on a CPU kernel tier (tr_engine/model/cpu.py; default the best this CPU runs),
 llama.cpp built for the same one (ggml's CPU backend with GGML_NATIVE for the AVX-512 tiers, with AVX2, FMA and F16C
 and nothing above them for avx2), so `--tier avx2` on an AVX-512 machine shows what an AVX2 machine would get from
 each, on this machine's memory. llama.cpp is built once per instruction set, from the source vendored in the
@@ -29,12 +29,12 @@ import torch
 
 from bench.machine import machine_info, machine_line, read_bandwidth, save_results
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
-from tr_engine import cpu
-from tr_engine.cli import ArgumentParser, run
+from tr_engine.model import cpu
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
-from tr_engine.methods import DEFAULT_METHOD
-from tr_engine.models import DEFAULT_MODEL, home
+from tr_engine.core.methods import DEFAULT_METHOD
+from tr_engine.model.folders import DEFAULT_MODEL, home
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose sdist vendors the llama.cpp we build
 TARGETS = ("llama-quantize", "llama-completion", "llama-lookup")
@@ -95,7 +95,7 @@ def llama_cpp(isa: str = "native", version: str = LLAMA_CPP_PYTHON) -> Path:
 
 
 def shipped_gguf() -> Path:
-    from tr_engine.default_model import installed_gguf
+    from tr_engine.model.default_model import installed_gguf
 
     path = installed_gguf()
     if path is None:
@@ -105,7 +105,7 @@ def shipped_gguf() -> Path:
 
 def gguf_for(bin_dir: Path, dtype: str) -> Path:
     """The shipped Q4_1 GGUF requantized to this dtype: llama-quantize dequantizes the same values our converter
-    does (tr_engine/default_model.py) and rounds them to BF16 (or keeps F32), as our loader does."""
+    does (tr_engine/model/default_model.py) and rounds them to BF16 (or keeps F32), as our loader does."""
     out = home() / "peers" / f"{DEFAULT_MODEL}-{GGUF_TYPES[dtype]}.gguf"
     if not out.exists():
         tmp = out.with_suffix(".part")

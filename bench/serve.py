@@ -351,8 +351,8 @@ def _args(args) -> dict:
 def main(argv=None) -> int:
     from bench.machine import machine_info
     from bench.specbench import DEFAULT_QUESTIONS, load_questions
-    from tr_engine.cli import ArgumentParser
-    from tr_engine.cli_args import integer
+    from tr_engine.cli.common import ArgumentParser
+    from tr_engine.cli.args import integer
 
     ap = ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -390,6 +390,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from tr_engine.cli import run as run_cli
+    from tr_engine.cli.common import run as run_cli
 
     raise SystemExit(run_cli(main))

@@ -4,7 +4,7 @@ Llama-3-8B (grouped-query heads and a 128K vocabulary).
 `tiny` and `tiny-mha` are the CPU rehearsal's stand-ins, small enough that every stage of bench.gpu_check runs in
 seconds."""
 
-from tr_engine.config import LlamaConfig
+from tr_engine.model.config import LlamaConfig
 
 SHAPES = {
     "smollm2": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -14,9 +14,9 @@ machine.json and PNG plots under --out. `--questions humaneval` runs HumanEval's
         [--temperature T [--top-k K] [--top-p P] [--seed S]]
 
 With --temperature > 0 every method samples, each turn with the same seed for every method: the baseline is plain
-sampling, and a lossless method draws the same tokens from the same numbers (tr_engine/sampling.py).
+sampling, and a lossless method draws the same tokens from the same numbers (tr_engine/core/sampling.py).
 
-With --tp N the model is split across N ranks (tr_engine/parallel.py), launched as the engine's commands are:
+With --tp N the model is split across N ranks (tr_engine/model/parallel.py), launched as the engine's commands are:
 
     torchrun --nproc-per-node 2 -m bench.specbench --tp 2 --model vicuna-13b --device cuda --dtype float16
 
@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info, machine_line
-from tr_engine.cli import ArgumentParser, run
-from tr_engine.cli_args import add_sampling_args, integer, sampling_from_args
-from tr_engine.cost import CostModel
+from tr_engine.cli.common import ArgumentParser, run
+from tr_engine.cli.args import add_sampling_args, integer, sampling_from_args
+from tr_engine.core.cost import CostModel
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
-from tr_engine.methods import methods
-from tr_engine.sampling import GREEDY, Sampling
+from tr_engine.core.methods import methods
+from tr_engine.core.sampling import GREEDY, Sampling
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 GROUPS = {"translation": "translation", "summarization": "summarization", "qa": "qa", "math_reasoning": "math",
@@ -54,7 +54,8 @@ STATIC_SIZE = 81
 OWN_DRAFTERS = {"tr-adaptive": dict(method="tr", tree="adaptive"), "hybrid": dict(method="hybrid", tree="adaptive"),
                 "tr-81": dict(method="tr", tree="adaptive", flat=STATIC_SIZE),
                 "hybrid-81": dict(method="hybrid", tree="adaptive", flat=STATIC_SIZE)}
-# Every engine method (tr_engine.methods: "ar" and each registered drafter), the configurations above, a cold matrix,
+# Every engine method (tr_engine.core.methods: "ar" and each registered drafter), the configurations above, a cold
+# matrix,
 # and transformers' own decoding as the peer.
 METHODS = tuple(dict.fromkeys((*methods(), "tr-cold", *OWN_DRAFTERS, "hf-ar", "hf-pld")))
 HOT = ("tr",) + tuple(OWN_DRAFTERS)  # warmed up before measuring

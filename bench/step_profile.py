@@ -24,9 +24,9 @@ import torch
 from bench.machine import machine_info, machine_line, read_bandwidth, save_results
 from bench.peers import weight_bytes
 from bench.specbench import DEFAULT_QUESTIONS, load_questions
-from tr_engine.cli import ArgumentParser, run
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.engine import Engine
-from tr_engine.models import DEFAULT_MODEL
+from tr_engine.model.folders import DEFAULT_MODEL
 
 PATHS = {"module path (before)": False, "fused layers (after)": True}
 SHAPES = {"plain step": 1, "8-token verify": 8}

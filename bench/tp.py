@@ -48,8 +48,8 @@ def worker(rank: int, world: int, port: int, args: dict, prompts: list[str], out
         row[f"{method}_ids"] = ids
     row["rss_mb_after"] = rss_mb()
     Path(f"{out}.{rank}").write_text(json.dumps(row))
-    if world > 1:  # every rank done, then out without gloo's teardown (tr_engine.parallel.leave says why)
-        from tr_engine.parallel import leave
+    if world > 1:  # every rank done, then out without gloo's teardown (tr_engine.model.parallel.leave says why)
+        from tr_engine.model.parallel import leave
 
         leave()
         os._exit(0)
@@ -100,8 +100,8 @@ def write(folder: Path, data: dict, info: dict, args, n: int) -> str:
 
 def main(argv=None) -> int:
     from bench.machine import machine_info
-    from tr_engine.cli import ArgumentParser
-    from tr_engine.cli_args import integer
+    from tr_engine.cli.common import ArgumentParser
+    from tr_engine.cli.args import integer
 
     ap = ArgumentParser(prog="python -m bench.tp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -118,6 +118,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from tr_engine.cli import run as run_cli
+    from tr_engine.cli.common import run as run_cli
 
     raise SystemExit(run_cli(main))

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from bench.machine import machine_info, machine_line, save_results
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
-from tr_engine.cli import ArgumentParser, run
-from tr_engine.cli_args import integer
-from tr_engine.cost import BUCKETS, CostModel
+from tr_engine.cli.common import ArgumentParser, run
+from tr_engine.cli.args import integer
+from tr_engine.core.cost import BUCKETS, CostModel
 from tr_engine.engine import Engine
 
 SIZES = (4, 8, 16, 32, 64, 80, 128)

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from bench.machine import machine_info, machine_line, save_results
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
-from tr_engine.cli import ArgumentParser, run
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.engine import Engine
-from tr_engine.ops import load_ops
+from tr_engine.model.ops import load_ops
 
 IMPLS = ("kernels", "reference", "stock")
 PHASES = ("retrieve", "verify", "accept", "compact", "recycle")

@@ -1,5 +1,5 @@
 // The one place where tr_engine's op schemas live (the extension-cpp pattern). Each backend file registers its
-// kernels with TORCH_LIBRARY_IMPL; tr_engine/reference.py holds the pure-PyTorch twin that specifies each op.
+// kernels with TORCH_LIBRARY_IMPL; tr_engine/model/reference.py holds the pure-PyTorch twin that specifies each op.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -66,7 +66,7 @@ TORCH_LIBRARY(tr_engine, m) {
   // [L, N, 2, Hkv, S, D] at positions prefix_lens[b].., then attend through their tree mask. Returns the last
   // layer's output [T, E] in x's dtype (float32, bfloat16, float16), through the model's final norm when weights
   // holds its weight after the layers' (6 L + 1 tensors); rounds where the module path's ops would
-  // (tr_engine.reference.decoder_layers) and, like every CPU kernel here, computes each row from that row alone.
+  // (tr_engine.model.reference.decoder_layers) and, like every CPU kernel here, computes each row from that row alone.
   m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor cos, Tensor sin, Tensor(a!) kv, int[] slots, "
         "int[] prefix_lens, int[] offsets, Tensor tree_masks, int n_heads, int ffn, float eps) -> Tensor");
 
@@ -74,7 +74,7 @@ TORCH_LIBRARY(tr_engine, m) {
   // maximum, a NaN counting as the largest value. Greedy decoding's choice (sampling.greedy), in one op.
   m.def("argmax_rows(Tensor x) -> Tensor");
 
-  // The CPU kernel tiers (csrc/cpu/tiers.cpp; tr_engine/cpu.py chooses among them). cpu_features: the features the
+  // The CPU kernel tiers (csrc/cpu/tiers.cpp; tr_engine/model/cpu.py chooses among them). cpu_features: the features the
   // tiers may need that this CPU and its OS support ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
   // "avx512dq", "avx512bf16"; "neon" on aarch64). use_cpu_tier: make the tier library at `path` (built for tier
   // `name`, needing every feature in `needs`) the one every CPU op calls; refused, with nothing changed, if this CPU

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from tr_engine.cli import run
+from tr_engine.cli.common import run
 
 
 def run_module(module: str, *args, stdin: str | bytes | None = None, env=None, timeout: float = 600,
@@ -17,7 +17,7 @@ def run_module(module: str, *args, stdin: str | bytes | None = None, env=None, t
 
 
 def call_main(main, *args, stdin: bytes = b"") -> SimpleNamespace:
-    """A tool's main() in this process, as its __main__ runs it (tr_engine.cli.run), with `stdin` as its input;
+    """A tool's main() in this process, as its __main__ runs it (tr_engine.cli.common.run), with `stdin` as its input;
     returns returncode, stdout and stderr like run_module (no interpreter start: for the many-case tests)."""
     out, err = io.StringIO(), io.StringIO()
     stdin_stream = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")

@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 def private_home(tmp_path_factory):
     """The tests' own $TR_ENGINE_HOME (cost curves, matrices), still finding models in the real one. The workers of
     one run share its cost curves: each curve measured once, not once a worker (~15 s for the default model)."""
-    from tr_engine.models import home
+    from tr_engine.model.folders import home
 
     os.environ.setdefault("TR_ENGINE_MODELS", str(home() / "models"))
     private = tmp_path_factory.mktemp("home")
@@ -55,9 +55,10 @@ def private_home(tmp_path_factory):
 
 
 def runnable_cpu_tiers() -> list[str]:
-    """The CPU kernel tiers this machine can run, best first (tr_engine/cpu.py): on an AVX-512 machine avx512bf16 (with
+    """The CPU kernel tiers this machine can run, best first (tr_engine/model/cpu.py): on an AVX-512 machine avx512bf16
+    (with
     bf16 dot products), avx512, avx2 and scalar; on an AVX2 one avx2 and scalar."""
-    from tr_engine import cpu
+    from tr_engine.model import cpu
 
     try:
         return [t.name for t in cpu.runnable()]
@@ -77,7 +78,7 @@ def cpu_tier(request):
     """Runs a test once per CPU tier in KERNEL_TEST_TIERS (every tier this machine can run but a duplicate), with that
     tier's kernels behind every CPU op (then the tier before), on at least two threads. A module opts in whole with
     `pytestmark = pytest.mark.usefixtures("cpu_tier")`."""
-    from tr_engine import cpu
+    from tr_engine.model import cpu
 
     before, threads = cpu.active(), torch.get_num_threads()
     cpu.use(request.param)
@@ -119,7 +120,7 @@ def markov_folder(tiny_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from tr_engine.models import DEFAULT_MODEL, resolve_model
+    from tr_engine.model.folders import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
 

@@ -1,4 +1,5 @@
-"""Cost-aware adaptive trees and hybrid drafting (tr_engine/adaptive.py, tr_engine/cost.py): lossless like every
+"""Cost-aware adaptive trees and hybrid drafting (tr_engine/core/adaptive.py, tr_engine/core/cost.py): lossless like
+every
 drafter, and the choices follow the statistics and the cost curve they are given."""
 
 import dataclasses
@@ -8,15 +9,15 @@ import pytest
 import torch
 
 from curves import CPU_LIKE, FREE, LINEAR, curve
-from tr_engine.adaptive import DEPTHS, EDGES, AdaptiveTrees, ChainStats, ConfidenceStats, confidence_bin
-from tr_engine.cost import BUCKETS, PREFIXES, CostModel, cost_key, cost_path
-from tr_engine.decode import plain_generate
-from tr_engine.drafters import Hybrid, PromptLookup, TokenRecycling
-from tr_engine.kv_cache import KVCache
-from tr_engine.matrix import RecyclingMatrix
-from tr_engine.batch import speculative_generate
-from tr_engine.tree import build_tree, graft_chain, load_tree
-from tr_engine.weights import load_model
+from tr_engine.core.adaptive import DEPTHS, EDGES, AdaptiveTrees, ChainStats, ConfidenceStats, confidence_bin
+from tr_engine.core.cost import BUCKETS, PREFIXES, CostModel, cost_key, cost_path
+from tr_engine.core.decode import plain_generate
+from tr_engine.core.drafters import Hybrid, PromptLookup, TokenRecycling
+from tr_engine.model.kv_cache import KVCache
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.batch import speculative_generate
+from tr_engine.core.tree import build_tree, graft_chain, load_tree
+from tr_engine.model.weights import load_model
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +248,7 @@ def test_measured_curve_is_monotone_and_starts_at_one(tiny):
 def test_timing_stops_passes_at_the_budget_but_keeps_the_warm_up_and_one(tiny):
     """`reps` passes after a warm-up (none asked for at a second prefix); past budget_s no further pass (a 7B
     model's take half a minute each)."""
-    from tr_engine.cost import time_steps
+    from tr_engine.core.cost import time_steps
 
     calls = []
 
@@ -300,7 +301,7 @@ def one_thread():
 def test_sizes_too_dear_to_pay_are_not_timed_but_extrapolated(tiny, one_thread):
     """A machine where a verify costs a plain step per token: past MAX_RELATIVE plain steps the sizes are left out
     of the timed passes (the measurement stays short however slow big verifies are) and priced in proportion."""
-    from tr_engine.cost import MAX_RELATIVE
+    from tr_engine.core.cost import MAX_RELATIVE
 
     tiny.set_max_positions(200)
     timed = Timed(tiny, lambda T, call: 0.003 * T)
@@ -317,7 +318,7 @@ def test_sizes_too_dear_to_pay_are_not_timed_but_extrapolated(tiny, one_thread):
 def test_the_doubt_names_the_worst_inversion_not_the_first():
     """A spell of noise can put a 2-token verify a little under a 1-token one; a curve that has a 5-token verify at a
     quarter of a 4-token one is named by that, the inversion that matters."""
-    from tr_engine.cost import doubts
+    from tr_engine.core.cost import doubts
 
     steady = {"before": [0.010] * 3, "after": [0.010] * 3}
     seconds = {1: 0.010, 2: 0.0070, 3: 0.011, 4: 0.040, 5: 0.010, 6: 0.041}
@@ -389,7 +390,8 @@ def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, t
     # a --tp run's steps pay collectives too, and CUDA graphs change a step's cost: each keeps a curve of its own
     assert len({cost_path(tmp_path, cost_key(folder.name, torch.float64, torch.device("cpu"), "reference", graphs, tp))
                 for graphs in (False, True) for tp in (1, 2)} - {saved[0]}) == 3
-    # and so does each CPU kernel tier (tr_engine/cpu.py): an AVX2 verify costs more plain steps than an AVX-512 one
+    # and so does each CPU kernel tier (tr_engine/model/cpu.py): an AVX2 verify costs more plain steps than an AVX-512
+    # one
     assert len({cost_path(tmp_path, cost_key(folder.name, torch.bfloat16, torch.device("cpu"), "kernels", cpu_tier=t))
                 for t in ("avx512bf16", "avx2", "scalar")}) == 3
     engine.save_matrix(tmp_path / "m.pt")  # the matrix travels with its confidences (the adaptive tree reads them)
@@ -400,7 +402,7 @@ def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, t
 def test_a_cached_curve_is_keyed_by_the_cpu_kernels_it_was_measured_with(tmp_path, monkeypatch):
     """The CPU kernels live in each tier's library, not in the op library: a rebuilt tier library (its kernels
     changed) keys a curve of its own, so a curve measured with the kernels before a change is not reused."""
-    from tr_engine import cpu
+    from tr_engine.model import cpu
 
     tier = cpu.runnable()[0]
     key = lambda: cost_key("m", torch.float32, torch.device("cpu"), "kernels", cpu_tier=tier.name)  # noqa: E731

@@ -1,14 +1,14 @@
-"""Batched decoding (tr_engine/batch.py): every request in a batch gets exactly the tokens it gets alone, whatever
+"""Batched decoding (tr_engine/core/batch.py): every request in a batch gets exactly the tokens it gets alone, whatever
 rides with it, whenever it joins, and whichever slot it lands in; the ragged attention op; bad requests fail alone."""
 
 import pytest
 import torch
 
 from curves import pinned
-from tr_engine import reference
+from tr_engine.model import reference
 from tr_engine.engine import Engine
 from tr_engine.errors import InvalidType
-from tr_engine.ops import load_ops
+from tr_engine.model.ops import load_ops
 
 kernels = load_ops("kernels")
 PROMPTS = ["hello there", "a b c a b c a b c", "the cat sat on the mat and the cat", "why?", "one two three four",
@@ -209,9 +209,9 @@ def test_a_batch_stopped_midway_gives_its_slots_back(tiny64):
 
 def test_recycling_a_batch_in_one_update_is_recycling_each_draft_in_order():
     """Rows written by several sequences in one step: the last draft's last node wins, as sequential recycles do."""
-    from tr_engine.drafters import TokenRecycling
-    from tr_engine.matrix import RecyclingMatrix
-    from tr_engine.tree import load_tree
+    from tr_engine.core.drafters import TokenRecycling
+    from tr_engine.core.matrix import RecyclingMatrix
+    from tr_engine.core.tree import load_tree
 
     g = torch.Generator().manual_seed(9)
     tree = load_tree("2.2.2", 8)

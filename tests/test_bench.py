@@ -89,7 +89,7 @@ def test_specbench_sampling_uses_one_seed_per_turn_for_every_method(tiny_factory
 def test_kernels_bench_at_the_tiny_shape(tmp_path):
     """bench.kernels with a shape and a CPU tier below this machine's best: every op's row, on that tier, with the
     file named after the shape and the tier."""
-    from tr_engine import cpu
+    from tr_engine.model import cpu
 
     proc = run_module("bench.kernels", "--shape", "tiny", "--tier", "scalar", "--reps", "1", "--threads", "1", "--out",
                       str(tmp_path))
@@ -366,7 +366,7 @@ def test_peers_starts_each_of_our_methods_on_a_question_from_the_same_matrix(mar
     import bench.peers as peers
     from curves import pinned
     from tr_engine.engine import Engine
-    from tr_engine.methods import DEFAULT_METHOD
+    from tr_engine.core.methods import DEFAULT_METHOD
 
     engine = pinned(Engine.from_pretrained(str(markov_folder), dtype="float64"))  # a cold matrix: any row learned shows
     monkeypatch.setattr(peers, "read_bandwidth", lambda reps=3: 10.0)

@@ -14,12 +14,12 @@ import pytest
 import torch
 from cli import assert_one_line_error, run_module
 
-from tr_engine.chat import Session
+from tr_engine.cli.chat import Session
 from tr_engine.engine import Engine
 
 
 def run_chat(*args, stdin="", env=None):
-    return run_module("tr_engine.chat", *args, stdin=stdin, env=env)
+    return run_module("tr_engine.cli.chat", *args, stdin=stdin, env=env)
 
 
 class Sink:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tr_engine import reference
-from tr_engine.ops import load_ops
+from tr_engine.model import reference
+from tr_engine.model.ops import load_ops
 
 kernels = load_ops("kernels")
 

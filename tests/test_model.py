@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from hf_reference import hf_logits, load_hf
-from tr_engine.decode import plain_generate
-from tr_engine.kv_cache import KVCache
-from tr_engine.weights import load_model
+from tr_engine.core.decode import plain_generate
+from tr_engine.model.kv_cache import KVCache
+from tr_engine.model.weights import load_model
 
 
 def our_logits(model, ids, dtype):

@@ -1,4 +1,5 @@
-"""Tensor parallelism (tr_engine/parallel.py) on this CPU: 2 ranks on gloo, started with `spawn` as torchrun starts
+"""Tensor parallelism (tr_engine/model/parallel.py) on this CPU: 2 ranks on gloo, started with `spawn` as torchrun
+starts
 them (fresh interpreters, no forked state), each loading only its shard of the weights."""
 
 import os
@@ -11,8 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 from curves import pinned
-from tr_engine.config import LlamaConfig
-from tr_engine.parallel import Shard, local_config
+from tr_engine.model.config import LlamaConfig
+from tr_engine.model.parallel import Shard, local_config
 
 CONFIGS = {  # name -> write_tiny_llama's arguments: MHA, GQA, KV heads that do not divide by 2, tied, odd vocab
     "mha": dict(num_heads=4, num_kv_heads=4),
@@ -36,7 +37,7 @@ def spawn(worker, world: int, *args) -> None:
 
 
 def joined(rank: int, world: int, port: int) -> Shard:
-    from tr_engine import parallel
+    from tr_engine.model import parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -45,8 +46,9 @@ def joined(rank: int, world: int, port: int) -> Shard:
 
 
 def finish() -> None:
-    """A worker's end, as a command's (tr_engine/cli.py): every rank done, then out without the backend's teardown."""
-    from tr_engine.parallel import leave
+    """A worker's end, as a command's (tr_engine/cli/common.py): every rank done, then out without the backend's
+    teardown."""
+    from tr_engine.model.parallel import leave
 
     leave()
     os._exit(0)
@@ -54,7 +56,7 @@ def finish() -> None:
 
 def forwards(model) -> dict[str, torch.Tensor]:
     """A prompt (causal attention), a decode step and a tree verify (the tree_attention op) on one cache."""
-    from tr_engine.kv_cache import KVCache
+    from tr_engine.model.kv_cache import KVCache
 
     model.set_max_positions(64)
     cache = KVCache(model.local_config, 64, model.dtype, model.device)
@@ -67,7 +69,7 @@ def forwards(model) -> dict[str, torch.Tensor]:
 
 
 def logits_worker(rank: int, world: int, port: int, folders: dict, out: str) -> None:
-    from tr_engine.weights import load_model
+    from tr_engine.model.weights import load_model
 
     shard = joined(rank, world, port)
     results = {}
@@ -100,7 +102,7 @@ def test_a_rank_gets_whole_kv_heads_with_their_query_heads():
 
 
 def test_two_ranks_give_one_rank_logits_within_float64_rounding(tiny_factory):
-    from tr_engine.weights import load_model
+    from tr_engine.model.weights import load_model
 
     folders = {name: str(tiny_factory(f"tp-{name}", **kwargs)) for name, kwargs in CONFIGS.items()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,7 +191,7 @@ def test_within_a_tp2_run_every_method_emits_plain_decodings_tokens(tiny_factory
 def smollm2_worker(rank: int, world: int, port: int, folder: str, asks: list, out: str) -> None:
     from tr_engine.engine import Engine
 
-    from tr_engine.cost import CostModel
+    from tr_engine.core.cost import CostModel
 
     joined(rank, world, port)
     engine = Engine.from_pretrained(folder, dtype="float32", tp=world, max_context=1024)
@@ -301,7 +303,7 @@ def test_torchrun_chat_reads_on_rank_0_and_every_rank_follows(tiny_factory):
 def test_stable_topk_is_the_head_of_a_stable_sort_ties_and_all(dtype):
     """torch.topk alone may take any of several values tied at the k-th place; stable_topk takes the lowest ids, as
     the recycling kernel and a stable sort do, and orders ties by id."""
-    from tr_engine.parallel import stable_topk
+    from tr_engine.model.parallel import stable_topk
 
     g = torch.Generator().manual_seed(0)
     for distinct in (1, 3, 40, None):  # every value tied, a few values (ties everywhere), some ties, almost none
@@ -323,7 +325,7 @@ def recycle_logits(V: int = 301, T: int = 9) -> tuple[torch.Tensor, torch.Tensor
 
 
 def topk_worker(rank: int, world: int, port: int, out: str) -> None:
-    from tr_engine.matrix import RecyclingMatrix
+    from tr_engine.core.matrix import RecyclingMatrix
 
     shard = joined(rank, world, port)
     tokens, logits = recycle_logits()
@@ -337,7 +339,7 @@ def topk_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_shards_top_k_merged_recycle_the_rows_the_whole_logits_do(world, tmp_path):
-    from tr_engine.matrix import RecyclingMatrix
+    from tr_engine.core.matrix import RecyclingMatrix
 
     spawn(topk_worker, world, str(tmp_path / "m"))
     tokens, logits = recycle_logits()

@@ -4,8 +4,8 @@ equals its reference exactly, ties and duplicate tokens included."""
 import pytest
 import torch
 
-from tr_engine import reference
-from tr_engine.ops import load_ops
+from tr_engine.model import reference
+from tr_engine.model.ops import load_ops
 
 kernels = load_ops("kernels")
 # Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).

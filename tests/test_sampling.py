@@ -1,4 +1,4 @@
-"""Sampling (tr_engine/sampling.py, accept_sampled): the processed distribution is the usual one, sampling over a
+"""Sampling (tr_engine/core/sampling.py, accept_sampled): the processed distribution is the usual one, sampling over a
 draft tree gives exactly the model's distribution (a chi-square test against the exact distribution of the first three
 tokens, with a biased sampler that must fail it), a seed gives the same tokens with or without drafting, and
 temperature 0 is greedy."""
@@ -12,18 +12,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from curves import CPU_LIKE, FREE
-from tr_engine import speculative
-from tr_engine.adaptive import AdaptiveTrees
-from tr_engine.decode import plain_generate, prefill
-from tr_engine.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
+from tr_engine.core import speculative
+from tr_engine.core.adaptive import AdaptiveTrees
+from tr_engine.core.decode import plain_generate, prefill
+from tr_engine.core.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
 from tr_engine.errors import UserError
-from tr_engine.kv_cache import KVCache
-from tr_engine.matrix import RecyclingMatrix
-from tr_engine.ops import load_ops
-from tr_engine.sampling import Sampler, Sampling, greedy, gumbel_noise, probabilities, sample
-from tr_engine.batch import speculative_generate
-from tr_engine.tree import load_tree
-from tr_engine.weights import load_model
+from tr_engine.model.kv_cache import KVCache
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.model.ops import load_ops
+from tr_engine.core.sampling import Sampler, Sampling, greedy, gumbel_noise, probabilities, sample
+from tr_engine.core.batch import speculative_generate
+from tr_engine.core.tree import load_tree
+from tr_engine.model.weights import load_model
 
 SMALL_VOCAB = 16
 
@@ -465,7 +465,7 @@ def test_engine_sampling_is_seeded_and_method_independent(engine):
 def test_one_sampling_is_passed_through_untouched_or_built_from_the_keywords(tiny_factory):
     from tr_engine.engine import Engine
     from tr_engine.errors import InvalidType, InvalidValue
-    from tr_engine.sampling import Sampling, sampling_of
+    from tr_engine.core.sampling import Sampling, sampling_of
 
     s = Sampling(0.7, 5, 0.9)
     assert sampling_of(s) is s and sampling_of(None, 0.7, 5, 0.9) == s

@@ -1,4 +1,5 @@
-"""The batched engine as a service (tr_engine/scheduler.py): requests from many threads, at any time, each exactly
+"""The batched engine as a service (tr_engine/serving/scheduler.py): requests from many threads, at any time, each
+exactly
 what it gets alone; cancellation frees the slot; a bounded queue; a clean close."""
 
 import asyncio
@@ -9,8 +10,8 @@ import torch
 
 from tr_engine.engine import Engine
 from tr_engine.errors import ContextOverflow
-from tr_engine.kv_cache import shared_prefix
-from tr_engine.scheduler import QueueFull, RequestError, Scheduler
+from tr_engine.model.kv_cache import shared_prefix
+from tr_engine.serving.scheduler import QueueFull, RequestError, Scheduler
 
 PROMPTS = ["hello there", "a b c a b c", "the cat sat on the mat", "why?", "one two three", "hello hello",
            "tell me about the sea", "x"]
@@ -131,8 +132,8 @@ def test_chores_run_on_the_batch_thread_and_a_failing_one_does_not_stop_it(tiny)
 
 
 def test_a_free_slot_is_taken_for_the_longest_prefix_it_holds_else_the_least_recently_used():
-    from tr_engine.kv_cache import BatchKVCache
-    from tr_engine.config import LlamaConfig
+    from tr_engine.model.kv_cache import BatchKVCache
+    from tr_engine.model.config import LlamaConfig
 
     config = LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                          num_attention_heads=1, num_key_value_heads=1, head_dim=8, max_position_embeddings=32)

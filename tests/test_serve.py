@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server (tr_engine/serve.py, tr_engine/openai_api.py), started as a user starts it, on a free
+"""The OpenAI-compatible server (tr_engine/cli/serve.py, tr_engine/serving/openai_api.py), started as a user starts it,
+on a free
 port of 127.0.0.1, and spoken to with OpenAI's own client (and raw HTTP where a client would refuse to send it)."""
 
 import http.client
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tr_engine.engine import Engine
-from tr_engine.openai_api import StopText
+from tr_engine.serving.openai_api import StopText
 
 PROMPTS = ["hello there", "a b c a b c", "the cat sat on the mat", "why?", "one two three", "hello hello",
            "tell me about the sea", "x"]

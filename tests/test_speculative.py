@@ -5,19 +5,20 @@ import pytest
 import torch
 
 from curves import CPU_LIKE
-from tr_engine import reference, speculative
-from tr_engine.adaptive import AdaptiveTrees
-from tr_engine.cost import CostModel
-from tr_engine.decode import plain_generate, prefill
-from tr_engine.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
-from tr_engine.kv_cache import shared_prefix
-from tr_engine.kv_cache import KVCache
-from tr_engine.matrix import RecyclingMatrix
-from tr_engine.sampling import Sampler, Sampling
-from tr_engine.batch import speculative_generate
-from tr_engine.speculative import accept, token_recycling_reference
-from tr_engine.tree import build_tree, chain_tree, load_tree
-from tr_engine.weights import load_model
+from tr_engine.model import reference
+from tr_engine.core import speculative
+from tr_engine.core.adaptive import AdaptiveTrees
+from tr_engine.core.cost import CostModel
+from tr_engine.core.decode import plain_generate, prefill
+from tr_engine.core.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
+from tr_engine.model.kv_cache import shared_prefix
+from tr_engine.model.kv_cache import KVCache
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.sampling import Sampler, Sampling
+from tr_engine.core.batch import speculative_generate
+from tr_engine.core.speculative import accept, token_recycling_reference
+from tr_engine.core.tree import build_tree, chain_tree, load_tree
+from tr_engine.model.weights import load_model
 
 TREES = {
     "2.2.2": lambda: load_tree("2.2.2"),
@@ -139,7 +140,7 @@ def test_every_drafter_drafts_where_drafting_must_pay(markov, kind, least):
 
 def test_the_default_drafters_draft_with_this_machines_cost_curve(markov_folder):
     """The same guard through the engine, whose adaptive tree is priced by the verify cost measured on this machine
-    (tr_engine/cost.py): where almost every draft comes true, a tree pays on any machine that verifies T tokens for
+    (tr_engine/core/cost.py): where almost every draft comes true, a tree pays on any machine that verifies T tokens for
     less than T plain steps, so the default method and TR draft. A curve that priced every tree out would pass every
     losslessness test and fail this one."""
     from tr_engine.engine import Engine
@@ -378,7 +379,7 @@ def test_smollm2_fp32_kernels_references_and_ar_agree_on_the_dev_subset(smollm2,
 
 
 def test_truncate_tree_keeps_a_prefix_that_is_a_tree():
-    from tr_engine.tree import truncate_tree
+    from tr_engine.core.tree import truncate_tree
 
     full = load_tree("2.2.2")
     for size in (1, 2, 9, 10, 40, 81):

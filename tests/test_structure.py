@@ -79,7 +79,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_has_no_cycle():
     graph = import_graph()
-    assert len(graph) > 40 and "tr_engine.model" in graph["tr_engine.engine"] | set().union(*graph.values())
+    assert len(graph) > 40 and "tr_engine.model.llama" in graph["tr_engine.engine"] | set().union(*graph.values())
     assert cycles(graph) == [], "modules that import each other, directly or through others: " + "; ".join(
         " <-> ".join(c) for c in cycles(graph))
 
@@ -133,14 +133,37 @@ def calls_of(module: str, name: str) -> list[str]:
 
 def test_one_decode_loop_drives_the_one_step_and_the_step_is_short():
     """The paper's loop is one `step` (retrieve, verify, accept, compact, learn, recycle; at most 40 lines with its
-    docstring), and one driver runs it for one sequence or many (tr_engine/batch.py); the plain decoding of
-    tr_engine/decode.py is the tests' oracle, and token_recycling_reference the teaching twin, not production loops."""
-    source = (ROOT / "tr_engine" / "speculative.py").read_text()
+    docstring), and one driver runs it for one sequence or many (tr_engine/core/batch.py); the plain decoding of
+    tr_engine/core/decode.py is the tests' oracle, and token_recycling_reference the teaching twin, not production
+    loops."""
+    source = (ROOT / "tr_engine" / "core" / "speculative.py").read_text()
     step = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "step")
     assert step.end_lineno - step.lineno + 1 <= 40
-    assert calls_of("tr_engine.speculative", "step") == ["tr_engine.batch.batch_steps"]
-    assert set(calls_of("tr_engine.batch", "batch_steps")) == {"tr_engine.batch.speculative_steps",
-                                                                "tr_engine.engine.stream_batch",
-                                                                "tr_engine.scheduler.__init__"}  # (methods by name)
-    assert calls_of("tr_engine.decode", "plain_steps") == ["tr_engine.decode.plain_generate"]  # (the oracle's own)
-    assert calls_of("tr_engine.decode", "plain_generate") == []  # (the tests' and a benchmark's, not the engine's)
+    assert calls_of("tr_engine.core.speculative", "step") == ["tr_engine.core.batch.batch_steps"]
+    assert set(calls_of("tr_engine.core.batch", "batch_steps")) == {  # (methods by their function's name)
+        "tr_engine.core.batch.speculative_steps", "tr_engine.engine.stream_batch",
+        "tr_engine.serving.scheduler.__init__"}
+    assert calls_of("tr_engine.core.decode", "plain_steps") == ["tr_engine.core.decode.plain_generate"]
+    assert calls_of("tr_engine.core.decode", "plain_generate") == []  # (the tests' and a benchmark's, not the engine's)
+
+
+LAYERS = {"tr_engine": 0, "tr_engine.errors": 0, "tr_engine.checks": 0, "tr_engine.files": 0, "tr_engine.model": 1,
+          "tr_engine.core": 2, "tr_engine.engine": 3, "tr_engine.serving": 4, "tr_engine.cli": 5,
+          "tr_engine.chat": 6, "tr_engine.generate": 6, "tr_engine.serve": 6}
+
+
+def layer(module: str) -> int:
+    """A module's layer: its sub-package's place in README's map (the commands' entry points tr_engine/<name>.py
+    last; the package itself, which holds only its version, first)."""
+    while module not in LAYERS:
+        module = module.rpartition(".")[0]
+    return LAYERS[module]
+
+
+def test_the_folders_are_layers_each_importing_only_those_below_it():
+    """errors/checks/files < model (the network) < core (the algorithm) < engine (the API) < serving < cli: the map
+    in README.md is the package's structure."""
+    modules = {module_name(p): p for p in (ROOT / "tr_engine").rglob("*.py")}
+    upward = [f"{m} imports {t}" for m, p in sorted(modules.items()) for t in imports_of(p, set(modules))
+              if layer(t) > layer(m)]
+    assert upward == []

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from tr_engine.tokenizer import StreamDecoder, load_tokenizer
+from tr_engine.model.tokenizer import StreamDecoder, load_tokenizer
 
 STRINGS = [
     "Hello world", "hello world", "Hello, world!", " leading space", "  two leading spaces", "trailing space ",

@@ -4,9 +4,9 @@ against float64 ground truth, over tree masks, causal masks, GQA, head dims, awk
 import pytest
 import torch
 
-from tr_engine import reference
-from tr_engine.ops import load_ops
-from tr_engine.tree import ancestor_mask, build_tree, load_tree
+from tr_engine.model import reference
+from tr_engine.model.ops import load_ops
+from tr_engine.core.tree import ancestor_mask, build_tree, load_tree
 
 kernels = load_ops("kernels")
 # Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).
@@ -237,7 +237,7 @@ def test_cuda_dynamic_prefix_replays_in_a_graph(dtype):
 def test_one_op_swapped_for_its_reference_by_spec():
     """--ops kernels,tree_attention=reference: that op is the reference's, every other one the kernel's."""
     from tr_engine.errors import UserError
-    from tr_engine.ops import parse_ops
+    from tr_engine.model.ops import parse_ops
 
     ops = load_ops("kernels,tree_attention=reference")
     assert ops.tree_attention is reference.tree_attention

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tr_engine import reference
+from tr_engine.model import reference
 from tr_engine.errors import UserError
-from tr_engine.ops import PackedWeight
-from tr_engine.weights import load_model
+from tr_engine.model.ops import PackedWeight
+from tr_engine.model.weights import load_model
 from weights_tools.bin_to_safetensors import convert as bin_to_safetensors
 
 
@@ -64,7 +64,7 @@ def test_progress_hears_every_file_byte_in_order(folder):
 
 
 def test_the_loading_line_shows_on_a_terminal_for_big_models_only(capsys):
-    from tr_engine.cli_args import LoadProgress
+    from tr_engine.cli.args import LoadProgress
 
     bar = LoadProgress("vicuna-7b")
     for done in (0, 1 << 29, 1 << 29, 1 << 31):
@@ -219,7 +219,7 @@ def test_random_model_has_the_config_shapes_and_ties_its_head():
     import dataclasses
 
     from bench.shapes import SHAPES
-    from tr_engine.weights import random_model
+    from tr_engine.model.weights import random_model
 
     config = dataclasses.replace(SHAPES["tiny"], tie_word_embeddings=True)
     model = random_model(config, torch.bfloat16, ops="reference", seed=1)

@@ -12,24 +12,26 @@ from pathlib import Path
 
 import torch
 
-from tr_engine import checks, cpu, parallel
-from tr_engine.decode import Generation, run_to_end
-from tr_engine.adaptive import AdaptiveTrees
-from tr_engine.batch import Request, batch_steps, speculative_steps
-from tr_engine.cost import BUCKETS, CostModel, cost_key, cost_path
-from tr_engine.drafters import DrafterSetup
+from tr_engine import checks
+
+from tr_engine.model import cpu, parallel
+from tr_engine.core.decode import Generation, run_to_end
+from tr_engine.core.adaptive import AdaptiveTrees
+from tr_engine.core.batch import Request, batch_steps, speculative_steps
+from tr_engine.core.cost import BUCKETS, CostModel, cost_key, cost_path
+from tr_engine.core.drafters import DrafterSetup
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
-from tr_engine.graphs import StepGraphs, graph_buckets
-from tr_engine.kv_cache import BatchKVCache, KVCache, shared_prefix
-from tr_engine.matrix import RecyclingMatrix
-from tr_engine.methods import ADAPTIVE, AR, DEFAULT_METHOD, DRAFTERS, drafter_class, methods
-from tr_engine.model import Llama
-from tr_engine.models import home, resolve_model
-from tr_engine.ops import is_compiled, resolve_ops
-from tr_engine.sampling import GREEDY, Sampler, Sampling, sampling_of
-from tr_engine.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
-from tr_engine.tree import load_tree
-from tr_engine.weights import load_model, parse_dtype
+from tr_engine.model.graphs import StepGraphs, graph_buckets
+from tr_engine.model.kv_cache import BatchKVCache, KVCache, shared_prefix
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.methods import ADAPTIVE, AR, DEFAULT_METHOD, DRAFTERS, drafter_class, methods
+from tr_engine.model.llama import Llama
+from tr_engine.model.folders import home, resolve_model
+from tr_engine.model.ops import is_compiled, resolve_ops
+from tr_engine.core.sampling import GREEDY, Sampler, Sampling, sampling_of
+from tr_engine.model.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
+from tr_engine.core.tree import load_tree
+from tr_engine.model.weights import load_model, parse_dtype
 
 
 DEFAULT_MAX_CONTEXT = 8192  # cache capacity when the model allows more; --max-context raises it
@@ -83,14 +85,14 @@ class Engine:
                  cuda_graphs: bool | None = None, max_batch: int = DEFAULT_MAX_BATCH,
                  batch_context: int | None = None):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
-        # The ops (tr_engine.ops), one namespace for the model, the matrix and the decode loop: the model's.
+        # The ops (tr_engine.model.ops), one namespace for the model, the matrix and the decode loop: the model's.
         self.ops = model.ops
         # Sampling's randomness: each sampled call draws its own seed from this stream (or takes the one it is given),
         # so a seeded engine answers a sequence of calls the same way whatever method each uses.
         self.rng = torch.Generator()
         if seed is None:
             self.rng.seed()
-            if model.shard.world > 1:  # every rank draws alike (tr_engine/parallel.py): rank 0's seed
+            if model.shard.world > 1:  # every rank draws alike (tr_engine/model/parallel.py): rank 0's seed
                 self.rng.manual_seed(model.shard.from_rank0(self.rng.initial_seed()))
         else:
             self.rng.manual_seed(seed)
@@ -120,7 +122,7 @@ class Engine:
 
     @property
     def cpu_tier(self) -> str | None:
-        """The CPU kernel tier this engine's compiled ops run (tr_engine/cpu.py: "avx512bf16", "avx2", ...),
+        """The CPU kernel tier this engine's compiled ops run (tr_engine/model/cpu.py: "avx512bf16", "avx2", ...),
         "reference" when its ops are the pure-PyTorch ones, None off the CPU."""
         if self.model.device.type != "cpu":
             return None
@@ -135,7 +137,7 @@ class Engine:
 
     def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None,
                     cost: CostModel | None = None, max_tokens: int = BUCKETS[-1]):
-        """A drafter for `method` (tr, pld, hybrid, or any registered since: tr_engine.methods) with the engine's
+        """A drafter for `method` (tr, pld, hybrid, or any registered since: tr_engine.core.methods) with the engine's
         tree setting or `tree` ("adaptive", "2.2.2", a file), drafting from `matrix` (default: a new, empty one).
         Pass it to generate/stream as `drafter=` to run several configurations side by side on one model, each with
         its own state (the benchmarks do). An adaptive tree prices its sizes with the engine's measured curve, or
@@ -163,7 +165,7 @@ class Engine:
         return key, cost_path(home(), key)
 
     def cost_model(self, recalibrate: bool = False) -> CostModel:
-        """The verify cost curve of this model, dtype, device, kernel tier and thread count (tr_engine/cost.py):
+        """The verify cost curve of this model, dtype, device, kernel tier and thread count (tr_engine/core/cost.py):
         loaded from $TR_ENGINE_HOME/costs/, or measured now (a few seconds; it overwrites the KV cache, so the next
         call prefills its whole prompt) and saved there, unless the measurement was doubtful (a busy machine): then it
         serves this engine only, and the next engine measures again. `on_calibrate(fraction, doubt)`, if set, hears

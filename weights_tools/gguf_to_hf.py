@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from tr_engine.cli import ArgumentParser, run
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.errors import UserError, WeightsError
 from weights_tools._progress import progress
 

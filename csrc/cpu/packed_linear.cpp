@@ -72,7 +72,7 @@ void check_dtype(const at::Tensor& t, const char* op, const char* name) {
 // were: SmolLM2 bf16 steps 3-8% faster at 1 row and 5% at 8 (alternating in one process); plain bf16 decoding 1.065x
 // (bench.ab, 24 dev questions, per-question median 1.053x); fp32, whose weights were mostly 2 MB or more, 1.003x.
 // A chunk is freed with the last weight in it; bigger weights (a 7B model's) get huge pages of their own. (The heap
-// pages that packing frees are handed back by tr_engine/weights.py.)
+// pages that packing frees are handed back by tr_engine/model/weights.py.)
 constexpr size_t kHuge = size_t(2) << 20;
 constexpr size_t kChunk = size_t(64) << 20;
 constexpr size_t kPooledMax = kChunk / 8;

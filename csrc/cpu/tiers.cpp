@@ -1,7 +1,7 @@
 // Loading a CPU kernel tier. The kernels are compiled once per instruction-set tier into libraries of their own
 // (tr_engine/_cpu_<tier>.so, csrc/cpu/kernels/tier.cpp); this file tells what the CPU supports (cpu_features) and
 // makes one tier's library the active one (use_cpu_tier), after checking that the CPU has every feature the tier
-// needs: a library built for AVX-512 is never even opened on a CPU without it. tr_engine/cpu.py holds the list of
+// needs: a library built for AVX-512 is never even opened on a CPU without it. tr_engine/model/cpu.py holds the list of
 // tiers and chooses; every CPU op then calls the active tier through kernels(). Libraries stay loaded once opened,
 // so a kernel that is running while another thread switches tiers finishes in its own.
 #include "tiers.h"
@@ -30,13 +30,13 @@ std::atomic<const Kernels*> active{nullptr};
 
 const Kernels& kernels() {
   const Kernels* k = active.load(std::memory_order_acquire);
-  TORCH_CHECK(k != nullptr, "tr_engine: no CPU kernel tier is loaded; import tr_engine.ops (it loads the best one "
+  TORCH_CHECK(k != nullptr, "tr_engine: no CPU kernel tier is loaded; import tr_engine.model.ops (it loads the best one "
               "for this CPU, or the one TR_ENGINE_CPU names)");
   return *k;
 }
 
 // The instruction-set features the tiers may need that this CPU and its operating system support (the compiler's
-// runtime reads CPUID, and XGETBV for the OS's vector state), by the names tr_engine/cpu.py uses.
+// runtime reads CPUID, and XGETBV for the OS's vector state), by the names tr_engine/model/cpu.py uses.
 std::vector<std::string> cpu_features() {
   std::vector<std::string> found;
 #if defined(__x86_64__)

@@ -1,5 +1,5 @@
 // The op library's side of the CPU kernel tiers: the active tier's table (csrc/cpu/kernels/api.h), which the CPU ops
-// call after checking their arguments, and the element types they hand it. tr_engine/cpu.py chooses the tier when
+// call after checking their arguments, and the element types they hand it. tr_engine/model/cpu.py chooses the tier when
 // the ops load (the best this CPU runs, or TR_ENGINE_CPU's) and loads it through the ops of tiers.cpp.
 #pragma once
 

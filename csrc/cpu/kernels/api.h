@@ -102,7 +102,7 @@ struct Host {
 
 struct Kernels {
   int abi;           // kAbiVersion of the library's build
-  const char* tier;  // its tier's name (tr_engine/cpu.py)
+  const char* tier;  // its tier's name (tr_engine/model/cpu.py)
   TypedKernels<float> float32;
   TypedKernels<double> float64;
   TypedKernels<bf16> bfloat16;

@@ -6,7 +6,7 @@
 //
 // Row independence, kept: every loop computes a row from that row alone, in a fixed order, and the matmuls and the
 // attention are row-independent already, so a verify row's bits are its decode step's and bf16 speculative decoding
-// stays bit-identical to plain decoding. Rounding follows the module path's (tr_engine.reference.decoder_layers):
+// stays bit-identical to plain decoding. Rounding follows the module path's (tr_engine.model.reference.decoder_layers):
 // each PyTorch op's result is rounded to the model's dtype where that op would round it. Two sums differ in order
 // from PyTorch's (RMSNorm's mean of squares, SiLU's exp), so the op agrees with its reference to a rounding, not to the
 // bit; every method runs the same op, so they still agree with each other bit for bit.
@@ -57,7 +57,7 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t ldo, int64_t rows, in
 
 // RoPE on the q and k heads of qkv [T, Hq + 2 Hkv, D] in place, then the rotated k and the v heads written to the
 // cache: row r of sequence b to slot slots[b], position prefix_lens[b] + (r - offsets[b]). As apply_rope in
-// tr_engine/model.py: a = round(x * cos), then round(a + swap(x) * sin), with the tables' (cos, cos) and (-sin, sin).
+// tr_engine/model/llama.py: a = round(x * cos), then round(a + swap(x) * sin), with the tables' (cos, cos) and (-sin, sin).
 template <typename T>
 void rope_and_cache(T* qkv, const Layers<T>& a, T* kv) {
   const int64_t D = a.D, half = D / 2, heads = a.Hq + 2 * a.Hkv;

@@ -1,5 +1,5 @@
 // The one vector type the CPU kernels are written in: Vec, kLanes floats, and the handful of operations they use.
-// The kernels are one source, compiled once per tier (tr_engine/cpu.py lists the tiers and their compiler flags);
+// The kernels are one source, compiled once per tier (tr_engine/model/cpu.py lists the tiers and their compiler flags);
 // this file gives each tier its Vec: AVX-512 (16 lanes), AVX2 + FMA + F16C (8), aarch64 NEON (4), and `scalar` (4),
 // plain arrays and loops that any C++ compiler builds (the readable specification of every operation below, and
 // the last resort). The tier is chosen by the -DTR_ENGINE_TIER_* macro that setup.py passes with the tier's flags.

@@ -1,4 +1,4 @@
-// One tier library, tr_engine/_cpu_<tier>.so: every CPU kernel compiled with one tier's flags (tr_engine/cpu.py
+// One tier library, tr_engine/_cpu_<tier>.so: every CPU kernel compiled with one tier's flags (tr_engine/model/cpu.py
 // lists them; setup.py passes them with -DTR_ENGINE_TIER_<TIER>), exporting one table (api.h). Built with hidden
 // visibility, so that each tier's copies of inline and template code stay inside its own library: the op library
 // loads the tier it chooses with dlopen, and code compiled for AVX-512 can never be called on a CPU without it.

@@ -1,4 +1,4 @@
-"""The decode driver: requests admitted (prefilled), stepped (tr_engine/speculative.py's `step`), stopped and
+"""The decode driver: requests admitted (prefilled), stepped (tr_engine/core/speculative.py's `step`), stopped and
 retired, up to N sequences in one forward per step, each exactly what it would be decoded alone. One sequence runs
 through the same loop (speculative_steps: its cache as a one-slot batch, kv_cache.OneSlot).
 
@@ -6,7 +6,7 @@ Every step, each active sequence drafts as it would alone (the same drafter obje
 travels in the Draft, and Token Recycling's matrix is shared, so every sequence teaches every other), and one
 forward verifies all the drafts: a ragged batch, each sequence with its own prefix, tree and cache slot
 (tree_attention_batch). Then each sequence accepts, compacts its own slot and commits, as in the single-sequence loop
-(tr_engine/speculative.py), and the matrix recycles every sequence's verify in request order (arrival order, never
+(tr_engine/core/speculative.py), and the matrix recycles every sequence's verify in request order (arrival order, never
 the slot a sequence happens to occupy), each breadth-first: where several sequences write one row in a step, the
 last request's last node wins.
 
@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tr_engine.decode import Generation, run_to_end, uncached
-from tr_engine.drafters import Draft
+from tr_engine.core.decode import Generation, run_to_end, uncached
+from tr_engine.core.drafters import Draft
 from tr_engine.errors import UserError
-from tr_engine.kv_cache import BatchKVCache, KVCache, OneSlot
-from tr_engine.model import Llama, RaggedBatch
-from tr_engine.sampling import Sampler, greedy
-from tr_engine.speculative import PHASES, PhaseClock, prefill_and_seed, step, stop
+from tr_engine.model.kv_cache import BatchKVCache, KVCache, OneSlot
+from tr_engine.model.llama import Llama, RaggedBatch
+from tr_engine.core.sampling import Sampler, greedy
+from tr_engine.core.speculative import PHASES, PhaseClock, prefill_and_seed, step, stop
 
 
 @dataclass
@@ -116,7 +116,8 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     (None: plain decoding). Yields Events as tokens are committed; a request ends with an Event carrying its
     Generation or its error. `requests` is an iterable of Requests in id order, or a source whose take(block)
     returns the next Request, None when none is waiting yet, or END, and whose leaving(active) returns the running
-    requests to drop (tr_engine/scheduler.py: requests that arrive while the batch runs, and leave when cancelled). A
+    requests to drop (tr_engine/serving/scheduler.py: requests that arrive while the batch runs, and leave when
+    cancelled). A
     cancelled request leaves at the next step boundary with the error "cancelled". With `reuse_prefix`, a request takes the free slot that holds
     the longest start of its prompt (a finished request's prompt and answer stay in its slot) and prefills only the
     rest: the same bits as a cold prefill, the kernels being row-independent."""

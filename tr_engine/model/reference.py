@@ -6,7 +6,7 @@ with `ops="reference"`.
 
 import torch
 
-from tr_engine.functional import apply_rope, rms_norm
+from tr_engine.model.functional import apply_rope, rms_norm
 
 
 def compact_kv_(cache: torch.Tensor, src_slots: torch.Tensor, dst_start: int) -> None:
@@ -107,7 +107,7 @@ def tree_attention_dynamic(
 def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                    kv: torch.Tensor, slots: list[int], prefix_lens: list[int], offsets: list[int],
                    tree_masks: torch.Tensor, n_heads: int, ffn: int, eps: float) -> torch.Tensor:
-    """Every decoder layer of a ragged batch of rows, as tr_engine/model.py's module path computes them
+    """Every decoder layer of a ragged batch of rows, as tr_engine/model/llama.py's module path computes them
     (DecoderLayer, Attention, MLP), on packed weights: x [T, E] -> [T, E]. Layer l takes weights[6l..6l+5] (input
     norm, qkv, o, post-attention norm, gate_up, down) and writes its rows' rotated K and their V into kv[l]
     ([N, 2, Hkv, S, D]), sequence b's at slot slots[b], positions prefix_lens[b]..; attention by

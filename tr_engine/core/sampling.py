@@ -5,7 +5,7 @@ the top-k, then the smallest set of tokens whose probability reaches top-p) with
 log-probability plus Gumbel noise is largest, the noise of position j coming from a generator seeded by (the call's
 seed, j) alone. The argmax of log p_k + G_k, with G_k independent Gumbel variables, is distributed exactly as p.
 
-Over a draft tree (tr_engine/speculative.py: accept_sampled) the verify step walks from the root: at each node it
+Over a draft tree (tr_engine/core/speculative.py: accept_sampled) the verify step walks from the root: at each node it
 draws the sample of that position from the node's logits, descends to the child drafted with that token if there is
 one, and otherwise commits the sample and stops. Each committed token is therefore one draw from the model's
 distribution given everything committed before it (a node's logits are the model's at that prefix), drawn once and
@@ -102,7 +102,7 @@ def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def greedy(logits: torch.Tensor, ops) -> torch.Tensor:
     """logits.argmax(dim=-1), the same index bit for bit (ties go to the lowest id, a NaN counts as the largest
-    value), with the model's `ops` (tr_engine.ops): CPU float32/float64 logits take ops.argmax_rows, one op where
+    value), with the model's `ops` (tr_engine.model.ops): CPU float32/float64 logits take ops.argmax_rows, one op where
     PyTorch's CPU argmax carries an index with every element (~0.9 ns each here: 85 us for a row of SmolLM2's 49,152
     logits) and where any chain of small ops pays tens of microseconds a dispatch right after a step has streamed the
     weights. Elsewhere (a GPU, half types) logits.argmax(dim=-1)."""

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from tr_engine import checks
 from tr_engine.errors import UserError
-from tr_engine.methods import ADAPTIVE, DEFAULT_METHOD, MAX_MATRIX_K, methods
-from tr_engine.models import DEFAULT_MODEL
+from tr_engine.core.methods import ADAPTIVE, DEFAULT_METHOD, MAX_MATRIX_K, methods
+from tr_engine.model.folders import DEFAULT_MODEL
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")  # weights.DTYPES, torch-free
 
@@ -44,9 +44,9 @@ def _checked(check, value, low, high, what, **kwargs):
 
 
 def ops_spec(text: str) -> str:
-    """An argparse type: an --ops spec, as tr_engine.ops.parse_ops reads it (imported here, not at the top: it
+    """An argparse type: an --ops spec, as tr_engine.model.ops.parse_ops reads it (imported here, not at the top: it
     imports torch, and --help should not wait for that)."""
-    from tr_engine.ops import parse_ops
+    from tr_engine.model.ops import parse_ops
 
     try:
         parse_ops(text)
@@ -111,7 +111,7 @@ def load_matrix(args, engine):
     if args.matrix:
         path = Path(args.matrix)
     else:
-        from tr_engine.models import home
+        from tr_engine.model.folders import home
 
         path = home() / "matrices" / f"{engine.folder.name}-{engine.tokenizer.fingerprint()[:12]}-k{args.matrix_k}.pt"
     if path.is_file():
@@ -120,7 +120,7 @@ def load_matrix(args, engine):
 
 
 def sampling_from_args(args):
-    from tr_engine.sampling import Sampling
+    from tr_engine.core.sampling import Sampling
 
     return Sampling(args.temperature, args.top_k, args.top_p)
 

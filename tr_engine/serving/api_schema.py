@@ -1,4 +1,4 @@
-"""The OpenAI API's requests and responses, as this server reads and writes them (tr_engine/openai_api.py serves
+"""The OpenAI API's requests and responses, as this server reads and writes them (tr_engine/serving/openai_api.py serves
 them): which fields an endpoint takes, each checked with an error that names it; the error body; the JSON of an
 answer, whole or in chunks.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tr_engine import checks
 from tr_engine.errors import one_line
-from tr_engine.sampling import Sampling
+from tr_engine.core.sampling import Sampling
 
 MAX_STOPS = 4  # as OpenAI's API: up to four stop sequences
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",

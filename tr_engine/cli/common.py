@@ -36,15 +36,11 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message}; see {self.prog} --help")
 
 
-def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
 def run(main, argv=None) -> int:
     """main(argv) -> exit status, with every way it can fail turned into one line and a status (above). A rank of a
-    --tp run waits for the others at the end and exits there (tr_engine.parallel.leave)."""
+    --tp run waits for the others at the end and exits there (tr_engine.model.parallel.leave)."""
     status = _run(main, argv)
-    parallel = sys.modules.get("tr_engine.parallel")
+    parallel = sys.modules.get("tr_engine.model.parallel")
     if parallel is not None and parallel.joined():
         parallel.leave()
         _exit_now(status)

@@ -13,17 +13,18 @@ import torch
 
 from tr_engine.errors import InvalidValue, MatrixFileError
 from tr_engine.files import atomic_write, signals_deferred
-from tr_engine.methods import MAX_MATRIX_K
-from tr_engine.ops import resolve_ops
-from tr_engine.tree import DraftTree
+from tr_engine.core.methods import MAX_MATRIX_K
+from tr_engine.model.ops import resolve_ops
+from tr_engine.core.tree import DraftTree
 
 
 class RecyclingMatrix:
-    """`ops` (tr_engine.ops: a spec or a namespace, the pure-PyTorch reference by default) supplies recycle_update_.
+    """`ops` (tr_engine.model.ops: a spec or a namespace, the pure-PyTorch reference by default) supplies
+    recycle_update_.
 
     Beside each row's ids it keeps their confidence: the softmax of the row's k logits when it was written (the
     candidates' shares of the row's top-k mass; 0 for a row never written). The adaptive tree reads it to spend its
-    nodes where the model was sure (tr_engine/adaptive.py); the paper's static tree ignores it."""
+    nodes where the model was sure (tr_engine/core/adaptive.py); the paper's static tree ignores it."""
 
     def __init__(self, vocab_size: int, k: int = 8, device="cpu", ops="reference"):
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(MAX_MATRIX_K, vocab_size):

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from tr_engine.config import LlamaConfig
+from tr_engine.model.config import LlamaConfig
 from tr_engine.errors import UserError, WeightsError
-from tr_engine.model import Llama
-from tr_engine.ops import packs
-from tr_engine.parallel import ALONE, Shard, slices
+from tr_engine.model.llama import Llama
+from tr_engine.model.ops import packs
+from tr_engine.model.parallel import ALONE, Shard, slices
 
 # Keys some checkpoints carry that hold no learned weights (old Llama/Vicuna exports save RoPE's inv_freq buffer).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -176,9 +176,11 @@ def safetensors_files(folder: Path) -> list[Path]:
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", ops="kernels",
                shard: Shard = ALONE, progress: Callable[[int, int], None] | None = None) -> Llama:
     """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference, its
-    projections and decode/verify attention computed by `ops` (tr_engine.ops: a spec like "kernels", or a namespace).
+    projections and decode/verify attention computed by `ops` (tr_engine.model.ops: a spec like "kernels", or a
+    namespace).
     Under tensor parallelism (`shard`), this rank's slice only, each weight's rows or columns read from the file
-    alone (tr_engine/parallel.py). `progress(done, total)`, if given, hears the bytes of the files gone through after
+    alone (tr_engine/model/parallel.py). `progress(done, total)`, if given, hears the bytes of the files gone through
+    after
     each tensor (a 7B model takes half a minute on a CPU; a progress bar's input)."""
     folder = Path(folder)
     if not folder.is_dir():

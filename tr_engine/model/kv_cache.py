@@ -6,7 +6,7 @@ either commits them (causal input) or compacts the accepted ones (a tree) with o
 
 import torch
 
-from tr_engine.config import LlamaConfig
+from tr_engine.model.config import LlamaConfig
 from tr_engine.errors import ContextOverflow
 
 
@@ -106,7 +106,7 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 class OneSlot:
-    """A single sequence's cache as a batch of one slot, for the decode driver (tr_engine/batch.py), so that one
+    """A single sequence's cache as a batch of one slot, for the decode driver (tr_engine/core/batch.py), so that one
     request runs through the same loop as many. Unlike a batch's slot, taking it keeps what it holds: the earlier turns
     of a conversation, which the request's prefill then skips."""
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tr_engine import cpu, reference
+from tr_engine.model import cpu, reference
 from tr_engine.errors import InvalidType, UserError
 
 OP_NAMES = ("compact_kv_", "skinny_linear", "pack_linear", "packed_linear", "recycle_update_", "tree_attention",
@@ -78,7 +78,7 @@ def resolve_ops(ops) -> SimpleNamespace:
         return load_ops(ops)
     missing = [n for n in (*OP_NAMES, "linear", "pack", "kind") if not hasattr(ops, n)]
     if missing:
-        raise InvalidType(f"ops must be a spec like 'kernels' or a namespace from tr_engine.ops.load_ops; "
+        raise InvalidType(f"ops must be a spec like 'kernels' or a namespace from tr_engine.model.ops.load_ops; "
                           f"{type(ops).__name__} lacks {', '.join(missing)}")
     return ops
 
@@ -184,7 +184,8 @@ def _register_fakes() -> None:
 
 
 # The compiled library registers torch.ops.tr_engine.* when it loads; its fakes go with it. Its CPU ops call the
-# kernels of one instruction-set tier (tr_engine/cpu.py): the best this CPU runs, or TR_ENGINE_CPU's, loaded here (or,
+# kernels of one instruction-set tier (tr_engine/model/cpu.py): the best this CPU runs, or TR_ENGINE_CPU's, loaded here
+# (or,
 # if TR_ENGINE_CPU names one this CPU cannot run, refused in one line by load_ops("kernels")).
 try:
     import tr_engine._C  # noqa: F401

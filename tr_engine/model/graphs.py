@@ -23,9 +23,9 @@ graph path that CI runs (tests/test_graphs.py), since capturing needs a GPU.
 
 import torch
 
-from tr_engine.cli import warn
-from tr_engine.kv_cache import KVCache
-from tr_engine.model import Llama
+from tr_engine.errors import warn
+from tr_engine.model.kv_cache import KVCache
+from tr_engine.model.llama import Llama
 
 
 class StepGraphs:
@@ -130,6 +130,6 @@ class StepGraphs:
 
 
 def graph_buckets(sizes, static_tree_size: int, capacity: int) -> tuple[int, ...]:
-    """The buckets an engine captures: the adaptive tree's sizes (tr_engine/cost.py BUCKETS) and its static tree's,
+    """The buckets an engine captures: the adaptive tree's sizes (tr_engine/core/cost.py BUCKETS) and its static tree's,
     those that fit the cache."""
     return tuple(sorted({T for T in (*sizes, static_tree_size) if T <= capacity}))

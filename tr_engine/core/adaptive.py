@@ -6,7 +6,7 @@ The paper expands a fixed 80-node tree. Which tree pays depends on two things it
   was written (the softmax of the row's top-k logits). The model gave it in another context, so `ConfidenceStats`
   learns online how often a candidate of each confidence (in bins) is right, by depth: every committed token is one
   observation for every candidate of its predecessor's row, whatever tree was verified.
-- what verifying T tokens costs (tr_engine/cost.py: measured on this machine, in plain steps), corrected online by
+- what verifying T tokens costs (tr_engine/core/cost.py: measured on this machine, in plain steps), corrected online by
   `StepTimes` from the decode loop's own clock.
 
 A node is taken to be accepted with the product of its path's rates, so the expected tokens a step commits are 1
@@ -25,9 +25,9 @@ import heapq
 from bisect import bisect_right
 from itertools import accumulate
 
-from tr_engine.cost import BUCKETS, CostModel
-from tr_engine.parallel import ALONE, Shard
-from tr_engine.tree import DraftTree, build_tree
+from tr_engine.core.cost import BUCKETS, CostModel
+from tr_engine.model.parallel import ALONE, Shard
+from tr_engine.core.tree import DraftTree, build_tree
 
 # A candidate's confidence (its share of its row's top-k mass when the row was written: RecyclingMatrix.confidence)
 # falls in one of these bins; each bin's acceptance rate is learned, per depth class.

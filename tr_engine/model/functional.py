@@ -1,5 +1,5 @@
-"""The Llama's stateless math, shared by the modules that run it (tr_engine/model.py) and by the pure-PyTorch
-reference of the fused CPU layers op (tr_engine/reference.py): one definition, so the two cannot drift apart, in a
+"""The Llama's stateless math, shared by the modules that run it (tr_engine/model/llama.py) and by the pure-PyTorch
+reference of the fused CPU layers op (tr_engine/model/reference.py): one definition, so the two cannot drift apart, in a
 module that imports neither of them.
 """
 

@@ -11,10 +11,10 @@
 An asyncio server submits with `loop=` (its running loop) and reads `async for tokens in handle.atokens()`: the
 events then reach it through the loop (call_soon_threadsafe), and no thread of its own waits on a queue.
 
-One thread runs tr_engine.batch.batch_steps over a queue: a request waits there until a slot is free, and joins at
+One thread runs tr_engine.core.batch.batch_steps over a queue: a request waits there until a slot is free, and joins at
 the next step boundary; each request's events go to its own handle. The queue is bounded: past `max_queued` waiting
 requests, submit raises QueueFull (a server answers 503 with Retry-After). Every request gets exactly the tokens it
-would get alone (tr_engine/batch.py says why). A finished request's slot keeps its conversation: the next turn, or
+would get alone (tr_engine/core/batch.py says why). A finished request's slot keeps its conversation: the next turn, or
 any prompt that starts the same way, takes that slot and prefills only what is new (prefix_reuse; least recently
 used slots are the first emptied for prompts that share nothing).
 """
@@ -27,11 +27,11 @@ import threading
 import time
 from collections import deque
 
-from tr_engine.batch import END, Request, batch_steps
-from tr_engine.decode import Generation
+from tr_engine.core.batch import END, Request, batch_steps
+from tr_engine.core.decode import Generation
 from tr_engine.errors import ContextOverflow, UserError
-from tr_engine.methods import AR
-from tr_engine.sampling import Sampling, sampling_of
+from tr_engine.core.methods import AR
+from tr_engine.core.sampling import Sampling, sampling_of
 
 
 class QueueFull(UserError):
@@ -290,7 +290,7 @@ class Scheduler:
 
 class Lockstep:
     """The request source of a batch under tensor parallelism (--tp). Every rank runs the batch loop on the same
-    numbers (tr_engine/parallel.py), so every rank must also admit and drop the same requests at the same step
+    numbers (tr_engine/model/parallel.py), so every rank must also admit and drop the same requests at the same step
     boundaries: rank 0's scheduler, which alone hears the clients, decides (take, leaving), and each decision is
     broadcast to the other ranks, which rebuild the request (its ids, length, sampler and seed: the same draws) and
     follow. While no request comes, rank 0 says so every HEARTBEAT_S seconds, so that the other ranks' wait, a
