@@ -83,8 +83,7 @@ def tier_source(tier) -> str:
 
 def tier_library(tier):
     """One tier's kernels: csrc/cpu/kernels/ (no torch) with the tier's flags (tr_engine/model/cpu.py says why each),
-    and a
-    version script that exports the one entry point."""
+    and a version script that exports the one entry point."""
     return Extension(f"tr_engine._cpu_{tier.name}", [tier_source(tier)], language="c++",
                      depends=sorted(glob.glob("csrc/cpu/kernels/*.h")) + ["csrc/cpu/kernels/tier.cpp"],
                      extra_compile_args=[*compile_flags(tier), "-g0"],

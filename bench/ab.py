@@ -16,8 +16,8 @@ this checkout against itself read 0.986x on SmolLM2 fp32 hybrid (1337 against 13
 at 1.43 and 1.55 plain steps). `--shared-curve` takes the calibration out of the comparison: the after side measures
 the curve and the before side plans with the same one. The trees can still part: each side corrects its prices
 online from its own step times (tr_engine/core/adaptive.py, StepTimes), and one different tree sends the recycling
-matrix
-down another path. So read the forwards and ms per forward beside the ratio, and a few percent either way as noise.
+matrix down another path. So read the forwards and ms per forward beside the ratio, and a few percent either way as
+noise.
 """
 
 import json
@@ -44,7 +44,7 @@ def worker() -> None:
 
         c = config["curve"]
         engine._cost = CostModel(tuple(c["sizes"]), tuple(c["prefixes"]), c["relative"], c["plain_s"],
-                                 engine._cost_location()[0])
+                                 engine._cost_key())
     cost = engine.cost_model(recalibrate=not config.get("curve"))
     # the curve this side plans with: two sides' trees differ where their curves do
     print(json.dumps({"ready": True, "curve": {"sizes": list(cost.buckets), "prefixes": list(cost.prefixes),

@@ -31,8 +31,8 @@ from bench.load_memory import write_checkpoint
 from bench.machine import machine_info, machine_line, save_results, status_kb
 from bench.shapes import SHAPES
 from bench.specbench import DEFAULT_QUESTIONS, load_questions
-from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.cli.args import integer
+from tr_engine.cli.common import ArgumentParser, run
 
 STATUS = re.compile(r"\[(\d+) tokens, ([\d.]+) tok/s(?:, MAT ([\d.]+))?, (\w+), prefill (\d+) tokens in ([\d.]+)s\]")
 NOTICE = "measuring this machine's verify cost"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from bench.machine import machine_info, machine_line, rss_kb, save_results
 from bench.specbench import DEFAULT_QUESTIONS
-from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.cli.args import integer
+from tr_engine.cli.common import ArgumentParser, run
 
 STATUS = re.compile(r"^\[(\d+) tokens, ")  # the status line the chat prints to stderr after each answer
 BASELINE_TURN = 50

@@ -2,8 +2,7 @@
 step (one token) as 1.0: the curve that decides how big a draft tree can pay on a given machine. The engine's own
 forward (kernels), a breadth-first 4-ary tree of T tokens (the paper's 2.2.2 tree at T = 81; T = 1 is the plain
 step), medians of repeated forwards, every T timed in alternation (tr_engine.core.cost.time_steps, which also measures
-the
-adaptive tree's cost curve). Writes forward_cost_<dtype>.{json,md,png}.
+the adaptive tree's cost curve). Writes forward_cost_<dtype>.{json,md,png}.
 
     python -m bench.forward_cost [--dtypes float32 bfloat16] [--prefixes 128 512 1024] [--reps 9]
 

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 from bench.machine import copy_bandwidth, machine_info, machine_line, save_results
 from bench.shapes import SHAPES, projections
-from tr_engine.model import cpu, reference
-from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.cli.args import integer
-from tr_engine.model.ops import load_ops
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.core.tree import sample_tree_mask as tree_mask
+from tr_engine.model import cpu, reference
+from tr_engine.model.ops import load_ops
 
 TREE_TOKENS = (1, 16, 32, 64, 81, 128)
 MATMUL_ROWS = (1, 4, 8, 12, 16, 32, 81, 512)  # a decode step, draft trees, the 2.2.2 tree, a prefill

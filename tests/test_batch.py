@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from curves import pinned
-from tr_engine.model import reference
 from tr_engine.engine import Engine
 from tr_engine.errors import InvalidType
+from tr_engine.model import reference
 from tr_engine.model.ops import load_ops
 
 kernels = load_ops("kernels")

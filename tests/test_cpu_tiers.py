@@ -1,6 +1,6 @@
 """The CPU kernel tiers (tr_engine/model/cpu.py, csrc/cpu/tiers.cpp, csrc/cpu/kernels/): one kernel source built for
-every
-instruction set of the architecture, the best this CPU runs chosen when the ops load (or TR_ENGINE_CPU's), each tier
+every instruction set of the architecture, the best this CPU runs chosen when the ops load (or TR_ENGINE_CPU's), each
+tier
 exact by itself, and a build that runs on CPUs with fewer features than the one that built it. The kernels' own tests
 (tests/test_<op>.py, the op contract) run once per tier through conftest's cpu_tier fixture (but avx512 where
 avx512bf16 runs: its very code but for the bf16 dot product); here: choosing, the build, and on every tier a kernel
@@ -16,8 +16,8 @@ import torch
 
 from cli import assert_one_line_error, run_module
 from conftest import CPU_TIERS
-from tr_engine.model import cpu
 from tr_engine.errors import UserError
+from tr_engine.model import cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "kernel_harness.cpp"

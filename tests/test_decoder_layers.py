@@ -6,10 +6,10 @@ steps through it."""
 import pytest
 import torch
 
+from tr_engine.core.tree import ancestor_mask
 from tr_engine.model import reference
 from tr_engine.model.llama import rms_norm
 from tr_engine.model.ops import load_ops
-from tr_engine.core.tree import ancestor_mask
 
 kernels = load_ops("kernels")
 # Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).

@@ -1,6 +1,5 @@
 """Extending the engine, each in one place: a drafter is one class and one registry line (tr_engine.core.methods), and
-one
-op is swapped for its reference by the ops spec, which reaches every caller through one namespace
+one op is swapped for its reference by the ops spec, which reaches every caller through one namespace
 (tr_engine.model.ops)."""
 
 from collections import Counter
@@ -9,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tr_engine.model import reference
 from tr_engine.core.drafters import Draft, DrafterSetup
+from tr_engine.core.methods import DRAFTERS, register_drafter
+from tr_engine.core.tree import chain_tree
 from tr_engine.engine import Engine
 from tr_engine.errors import InvalidType, InvalidValue
-from tr_engine.core.methods import DRAFTERS, register_drafter
+from tr_engine.model import reference
 from tr_engine.model.ops import is_compiled, load_ops
-from tr_engine.core.tree import chain_tree
 
 
 class Bigram:

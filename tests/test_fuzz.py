@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tr_engine.cli import chat, generate
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.tree import MAX_TREE_NODES, build_tree, load_tree
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
 from tr_engine.files import temporaries
-from tr_engine.core.matrix import RecyclingMatrix
-from tr_engine.core.tree import MAX_TREE_NODES, build_tree, load_tree
 
 SCALE = int(os.environ.get("TR_ENGINE_FUZZ_SCALE", "1"))
 

@@ -7,11 +7,11 @@ import torch
 
 from cli import run_module
 from tr_engine.core.cost import BUCKETS, CostModel
+from tr_engine.core.tree import sample_tree_mask
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
 from tr_engine.model.graphs import StepGraphs, graph_buckets
 from tr_engine.model.kv_cache import KVCache
-from tr_engine.core.tree import sample_tree_mask
 from tr_engine.model.weights import load_model
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "def add(a, b):\n    return a + b\n" * 2,

@@ -22,11 +22,11 @@ from safetensors.torch import load_file, save_file
 from tr_engine.cli import chat, generate
 from tr_engine.cli.chat import Session
 from tr_engine.cli.common import run
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.tree import MAX_TREE_NODES
 from tr_engine.engine import Engine
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.files import atomic_write, signals_deferred, temporaries
-from tr_engine.core.matrix import RecyclingMatrix
-from tr_engine.core.tree import MAX_TREE_NODES
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,7 @@
 """The contract of every op in the registry (tr_engine.model.ops.OP_NAMES; schemas and contracts in
 csrc/registration.cpp),
 on every device this machine has: the kernel agrees with its pure-PyTorch reference (tr_engine/model/reference.py),
-passes
-torch.library.opcheck (schema, fake, dispatch), and refuses each input its shared checks (csrc/op_checks.h) exist
+passes torch.library.opcheck (schema, fake, dispatch), and refuses each input its shared checks (csrc/op_checks.h) exist
 for, with their message; and the sources keep those checks shared: every CPU kernel and CUDA launcher of an op calls
 its op's check function first, and every check in the header has a refused case here.
 

@@ -1,6 +1,5 @@
 """Tensor parallelism (tr_engine/model/parallel.py) on this CPU: 2 ranks on gloo, started with `spawn` as torchrun
-starts
-them (fresh interpreters, no forked state), each loading only its shard of the weights."""
+starts them (fresh interpreters, no forked state), each loading only its shard of the weights."""
 
 import os
 import socket

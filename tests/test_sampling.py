@@ -14,15 +14,15 @@ from safetensors.torch import load_file, save_file
 from curves import CPU_LIKE, FREE
 from tr_engine.core import speculative
 from tr_engine.core.adaptive import AdaptiveTrees
+from tr_engine.core.batch import speculative_generate
 from tr_engine.core.decode import plain_generate, prefill
 from tr_engine.core.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.sampling import Sampler, Sampling, greedy, gumbel_noise, probabilities, sample
+from tr_engine.core.tree import load_tree
 from tr_engine.errors import UserError
 from tr_engine.model.kv_cache import KVCache
-from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.model.ops import load_ops
-from tr_engine.core.sampling import Sampler, Sampling, greedy, gumbel_noise, probabilities, sample
-from tr_engine.core.batch import speculative_generate
-from tr_engine.core.tree import load_tree
 from tr_engine.model.weights import load_model
 
 SMALL_VOCAB = 16
@@ -107,8 +107,8 @@ def test_gumbel_max_draws():
 
 @pytest.mark.parametrize("ops", ["kernels", "reference"])
 def test_greedy_is_argmax_bit_for_bit(ops, cpu_tier):
-    """greedy() (the decode loops' argmax: ops.argmax_rows on a CPU, the kernel on every CPU tier, or its reference) returns
-    torch.argmax's index on every row: random rows, ties (the lowest id; -0 and +0 tie), NaNs (the first one),
+    """greedy() (the decode loops' argmax: ops.argmax_rows on a CPU, the kernel on every CPU tier, or its reference)
+    returns torch.argmax's index on every row: random rows, ties (the lowest id; -0 and +0 tie), NaNs (the first one),
     infinities, all -inf, float64, 1-D, 3-D and empty, one logit, and a vocabulary not in whole chunks."""
     ops = load_ops(ops)
     g = torch.Generator().manual_seed(0)

@@ -1,6 +1,5 @@
 """The batched engine as a service (tr_engine/serving/scheduler.py): requests from many threads, at any time, each
-exactly
-what it gets alone; cancellation frees the slot; a bounded queue; a clean close."""
+exactly what it gets alone; cancellation frees the slot; a bounded queue; a clean close."""
 
 import asyncio
 import threading

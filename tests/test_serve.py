@@ -1,6 +1,6 @@
 """The OpenAI-compatible server (tr_engine/cli/serve.py, tr_engine/serving/openai_api.py), started as a user starts it,
-on a free
-port of 127.0.0.1, and spoken to with OpenAI's own client (and raw HTTP where a client would refuse to send it)."""
+on a free port of 127.0.0.1, and spoken to with OpenAI's own client (and raw HTTP where a client would refuse to send
+it)."""
 
 import http.client
 import json

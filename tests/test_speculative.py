@@ -5,19 +5,19 @@ import pytest
 import torch
 
 from curves import CPU_LIKE
-from tr_engine.model import reference
 from tr_engine.core import speculative
 from tr_engine.core.adaptive import AdaptiveTrees
+from tr_engine.core.batch import speculative_generate
 from tr_engine.core.cost import CostModel
 from tr_engine.core.decode import plain_generate, prefill
 from tr_engine.core.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
-from tr_engine.model.kv_cache import shared_prefix
-from tr_engine.model.kv_cache import KVCache
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.sampling import Sampler, Sampling
-from tr_engine.core.batch import speculative_generate
 from tr_engine.core.speculative import accept, token_recycling_reference
 from tr_engine.core.tree import build_tree, chain_tree, load_tree
+from tr_engine.model import reference
+from tr_engine.model.kv_cache import shared_prefix
+from tr_engine.model.kv_cache import KVCache
 from tr_engine.model.weights import load_model
 
 TREES = {
@@ -302,9 +302,10 @@ def test_smollm2_half_speculative_decoding_is_bitwise_lossless(smollm2_half, tmp
 
     engine = smollm2_half
     # A static tree and hybrid in both; tr-adaptive and pld, whose steps use the same kernels, in bf16 (the adaptive
-    # trees priced by the fixture's pinned curve: a measured one costs more than the test). The static tree: 13 nodes, two at each of 6 depths, the top-ranked of each
-    # pair the parent of the next, so tree keys sit at every depth (the paper's 81-node tree cost 0.1-0.2 s a verify
-    # here, most of the test, and tested nothing more: any row count runs the same tiles).
+    # trees priced by the fixture's pinned curve: a measured one costs more than the test). The static tree: 13 nodes,
+    # two at each of 6 depths, the top-ranked of each pair the parent of the next, so tree keys sit at every depth (the
+    # paper's 81-node tree cost 0.1-0.2 s a verify here, most of the test, and tested nothing more: any row count runs
+    # the same tiles).
     fp16 = engine.model.dtype == torch.float16
     tree = tmp_path / "deep.json"
     tree.write_text(json.dumps([[0] * d + [last] for d in range(6) for last in (0, 1)]))

@@ -4,9 +4,9 @@ against float64 ground truth, over tree masks, causal masks, GQA, head dims, awk
 import pytest
 import torch
 
+from tr_engine.core.tree import ancestor_mask, build_tree, load_tree
 from tr_engine.model import reference
 from tr_engine.model.ops import load_ops
-from tr_engine.core.tree import ancestor_mask, build_tree, load_tree
 
 kernels = load_ops("kernels")
 # Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tr_engine.model import reference
 from tr_engine.errors import UserError
+from tr_engine.model import reference
 from tr_engine.model.ops import PackedWeight
 from tr_engine.model.weights import load_model
 from weights_tools.bin_to_safetensors import convert as bin_to_safetensors

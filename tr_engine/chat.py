@@ -2,8 +2,8 @@
 
 import sys
 
-from tr_engine.cli.common import run
 from tr_engine.cli.chat import main
+from tr_engine.cli.common import run
 
 if __name__ == "__main__":
     sys.exit(run(main))

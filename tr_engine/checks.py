@@ -71,3 +71,8 @@ def _show(value) -> str:
     """A short description of a refused value: its type, and the value itself when it is short."""
     shown = repr(value)
     return f"{type(value).__name__} {shown}" if len(shown) <= 40 else type(value).__name__
+
+
+def seed(value: int | None) -> int | None:
+    """A sampling seed, or None (draw one)."""
+    return None if value is None else integer(value, "seed", 0, MAX_SEED)

@@ -7,76 +7,35 @@
         print(piece, end="", flush=True)
 """
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tr_engine import checks
-
-from tr_engine.model import cpu, parallel
-from tr_engine.core.decode import Generation, run_to_end
 from tr_engine.core.adaptive import AdaptiveTrees
 from tr_engine.core.batch import Request, batch_steps, speculative_steps
-from tr_engine.core.cost import BUCKETS, CostModel, cost_key, cost_path
+from tr_engine.core.cost import BUCKETS, CostModel, calibrated, cost_key, cost_path
 from tr_engine.core.drafters import DrafterSetup
+from tr_engine.core.generation import GenerateResult, Generation, failed, run_to_end
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.methods import ADAPTIVE, AR, DEFAULT_METHOD, DRAFTERS, check_method, drafter_class
+from tr_engine.core.sampling import GREEDY, Sampler, Sampling, sampling_of
+from tr_engine.core.tree import load_tree
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
+from tr_engine.model import cpu, parallel
+from tr_engine.model.device import check_cuda_graphs, check_device
+from tr_engine.model.folders import home, resolve_model
 from tr_engine.model.graphs import StepGraphs, graph_buckets
 from tr_engine.model.kv_cache import BatchKVCache, KVCache, shared_prefix
-from tr_engine.core.matrix import RecyclingMatrix
-from tr_engine.core.methods import ADAPTIVE, AR, DEFAULT_METHOD, DRAFTERS, drafter_class, methods
 from tr_engine.model.llama import Llama
-from tr_engine.model.folders import home, resolve_model
-from tr_engine.model.ops import is_compiled, resolve_ops
-from tr_engine.core.sampling import GREEDY, Sampler, Sampling, sampling_of
+from tr_engine.model.ops import resolve_ops
 from tr_engine.model.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
-from tr_engine.core.tree import load_tree
 from tr_engine.model.weights import load_model, parse_dtype
 
 
 DEFAULT_MAX_CONTEXT = 8192  # cache capacity when the model allows more; --max-context raises it
 DEFAULT_MAX_BATCH = 8  # sequences decoded together by generate_batch (--batch)
 DEFAULT_BATCH_CONTEXT = 2048  # each batched sequence's cache capacity unless --max-context says otherwise
-
-
-@dataclass
-class GenerateResult:
-    text: str
-    token_ids: list[int]
-    prompt_ids: list[int]
-    generation: Generation
-    error: str | None = None  # a request of a batch that could not run: why, in one line (nothing generated)
-
-    @property
-    def tokens_per_s(self) -> float:
-        g = self.generation
-        return len(g.token_ids) / (g.prefill_s + g.decode_s) if g.token_ids else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """MAT: tokens committed per decode step, the bonus token included (the paper's measure)."""
-        lengths = self.generation.accept_lengths
-        return sum(lengths) / len(lengths) if lengths else 0.0
-
-    def as_dict(self) -> dict:
-        g = self.generation
-        histogram = {}
-        for a in g.accept_lengths:
-            histogram[a] = histogram.get(a, 0) + 1
-        return {
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "prompt_tokens": g.prompt_tokens,
-            "new_tokens": len(g.token_ids),
-            "finish_reason": g.finish_reason,
-            "steps": g.steps,
-            "prefill_s": round(g.prefill_s, 6),
-            "decode_s": round(g.decode_s, 6),
-            "tokens_per_s": round(self.tokens_per_s, 3),
-            "mean_accepted_tokens": round(self.mean_accepted, 4),
-            "accept_length_histogram": dict(sorted(histogram.items())),
-            "phase_s": {k: round(v, 6) for k, v in g.phase_s.items()},
-        }
 
 
 class Engine:
@@ -159,11 +118,6 @@ class Engine:
 
         return drafter_class(method).build(DrafterSetup(device, static, new_matrix, new_adaptive))
 
-    def _cost_location(self):
-        key = cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops.kind, self.cuda_graphs,
-                       self.model.shard.world, self.cpu_tier if "kernels" in self.ops.kind else None)
-        return key, cost_path(home(), key)
-
     def cost_model(self, recalibrate: bool = False) -> CostModel:
         """The verify cost curve of this model, dtype, device, kernel tier and thread count (tr_engine/core/cost.py):
         loaded from $TR_ENGINE_HOME/costs/, or measured now (a few seconds; it overwrites the KV cache, so the next
@@ -171,25 +125,17 @@ class Engine:
         serves this engine only, and the next engine measures again. `on_calibrate(fraction, doubt)`, if set, hears
         the measurement's progress: 0.0 at the start, then fractions, then 1.0 with the doubt (None, or why the curve
         was not saved)."""
-        if self._cost is not None and not recalibrate:
-            return self._cost
-        key, path = self._cost_location()
-        cost = None if recalibrate else CostModel.load(path, key)
-        shard = self.model.shard  # under tensor parallelism: measured by every rank together, rank 0's curve kept
-        if shard.from_rank0(cost is None):
-            notify = self.on_calibrate or (lambda fraction, doubt=None: None)
-            notify(0.0, None)
-            cost = CostModel.measure(self.runner, self.cache, key, top_k=self.matrix_k,
-                                     progress=lambda fraction: notify(fraction, None))
-            self.reset_cache()
-            notify(1.0, cost.doubt)
-            try:
-                if shard.rank == 0 and cost.doubt is None:
-                    cost.save(path)
-            except OSError:
-                pass  # a read-only home: measure again next time
-        self._cost = cost = shard.from_rank0(cost)
-        return cost
+        if self._cost is None or recalibrate:
+            key = self._cost_key()
+            self._cost, measured = calibrated(self.runner, self.cache, key, cost_path(home(), key), self.model.shard,
+                                              self.matrix_k, self.on_calibrate, recalibrate)
+            if measured:  # (the measurement ran in the KV cache)
+                self.reset_cache()
+        return self._cost
+
+    def _cost_key(self) -> dict:
+        return cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops.kind, self.cuda_graphs,
+                        self.model.shard.world, self.cpu_tier if "kernels" in self.ops.kind else None)
 
     def use_cost(self, cost: CostModel) -> None:
         """Price this engine's adaptive trees by `cost` from now on, instead of the curve measured on this machine: a
@@ -230,14 +176,14 @@ class Engine:
         if not isinstance(tree, (str, Path)):
             raise InvalidType(f"tree must be 'adaptive', a tree name or a tree file path, got {type(tree).__name__}")
         check_method(method)
-        check_seed(seed)
+        checks.seed(seed)
         checks.integer(max_batch, "--batch", 1)
         if threads is not None:
             torch.set_num_threads(checks.integer(threads, "--threads", 1, checks.usable_cpus()))
         if max_context is not None:
             checks.integer(max_context, "--max-context", 1)
         folder = resolve_model(str(name_or_path), model_dir)
-        device = _check_device(device)
+        device = check_device(device)
         dtype = parse_dtype(dtype, device)
         checks.integer(tp, "--tp", 1)
         if tp > 1 and cuda_graphs:
@@ -256,27 +202,7 @@ class Engine:
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages
         ([{'role': str, 'content': str}, …]). Anything else is refused with an InvalidType or InvalidValue."""
-        checks.flag(chat_template, "chat_template")
-        if isinstance(prompt, str):
-            checks.text(prompt, "the prompt")
-            if not prompt.strip():
-                raise InvalidValue("the prompt is empty; give some text to answer")
-            if not chat_template:
-                return self.tokenizer.encode(prompt)
-            prompt = [{"role": "user", "content": prompt}]
-        elif not isinstance(prompt, (list, tuple)):
-            raise InvalidType(f"the prompt must be a string or a list of messages, got {type(prompt).__name__}")
-        if not prompt:
-            raise InvalidValue("the conversation has no messages; give at least one {'role': 'user', 'content': …}")
-        for i, m in enumerate(prompt):
-            if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
-                raise InvalidType(f"message {i} must be a dict with 'role' and 'content', got "
-                                  f"{type(m).__name__ if not isinstance(m, dict) else sorted(m)}")
-            checks.text(m["role"], f"message {i}'s role")
-            checks.text(m["content"], f"message {i}'s content")
-        if not chat_template:
-            raise InvalidValue("chat_template=False takes a prompt string, not messages")
-        return self.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in prompt])
+        return self.tokenizer.prompt_ids(prompt, chat_template)
 
     def save_matrix(self, path) -> None:
         """Save the recycling matrix atomically; a MatrixFileError (the old file kept) when it cannot be written."""
@@ -324,7 +250,7 @@ class Engine:
         checks.flag(ignore_eos, "ignore_eos")
         if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "set")):
             raise InvalidType(f"cancel must be a threading.Event, got {type(cancel).__name__}")
-        check_seed(seed)
+        checks.seed(seed)
         if method is not None:
             check_method(method)
         ids = self.prompt_ids(prompt, chat_template)
@@ -372,7 +298,7 @@ class Engine:
         checks.integer(max_new_tokens, "max_new_tokens", 1)
         checks.flag(seed_from_prompt, "seed_from_prompt")
         checks.flag(ignore_eos, "ignore_eos")
-        check_seed(seed)
+        checks.seed(seed)
         if batch_size is not None:
             checks.integer(batch_size, "batch_size", 1, self.max_batch)
         method = check_method(method or self.method)
@@ -473,51 +399,3 @@ def seeder(drafter, seed_from_prompt: bool):
     matrix's seed_, or None (not asked for, or a drafter without a matrix)."""
     matrix = getattr(drafter, "matrix", None)
     return matrix.seed_ if seed_from_prompt and matrix is not None else None
-
-
-def failed(error: str) -> GenerateResult:
-    """The result of a batch's request that could not run."""
-    return GenerateResult("", [], [], Generation([], "error", 0, 0.0, 0.0, 0), error=error)
-
-
-def check_method(method: str) -> str:
-    if not isinstance(method, str) or method not in methods():
-        raise InvalidValue(f"unknown method {method!r}; choose one of {', '.join(methods())}")
-    return method
-
-
-def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, ops) -> bool:
-    """Whether the engine runs its steps as CUDA graphs: by default wherever it can (a CUDA device and the compiled
-    kernels, whose attention reads the prefix length on the device); asked for elsewhere, a one-line error."""
-    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-        raise InvalidType(f"cuda_graphs must be True, False or None (where possible), got {type(cuda_graphs).__name__}")
-    # the graphs' attention reads the prefix on the device: the compiled kernel's
-    possible = device.type == "cuda" and is_compiled(ops, "tree_attention_dynamic")
-    if cuda_graphs and not possible:
-        why = "--device cuda" if device.type != "cuda" else "the compiled kernels (--ops kernels)"
-        raise UserError(f"--cuda-graphs on needs {why}; drop the flag or pass --cuda-graphs off")
-    return possible if cuda_graphs is None else cuda_graphs
-
-
-def check_seed(seed: int | None) -> int | None:
-    return None if seed is None else checks.integer(seed, "seed", 0, checks.MAX_SEED)
-
-
-def _check_device(device) -> torch.device:
-    """A CPU or a CUDA device this machine has; anything else (mps, xpu, a GPU index too high) is refused here
-    rather than deep inside the first kernel."""
-    if not isinstance(device, (str, torch.device)):
-        raise InvalidType(f"device must be a string like 'cpu' or 'cuda:N', got {type(device).__name__}")
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise InvalidValue(f"unknown device {str(device)!r}; use cpu, cuda or cuda:N")
-    if device.type not in ("cpu", "cuda"):
-        raise InvalidValue(f"--device {device.type} is not supported; tr_engine runs on cpu or cuda[:N]")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda was asked for but this torch build has no CUDA device; use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise InvalidValue(f"--device {device} does not exist: this machine has {torch.cuda.device_count()} "
-                               f"CUDA device(s), numbered from 0 to {torch.cuda.device_count() - 1}")
-    return device

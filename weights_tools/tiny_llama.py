@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.cli.args import integer
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.errors import UserError
 
 CORPUS = [

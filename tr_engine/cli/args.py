@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from tr_engine import checks
-from tr_engine.errors import UserError
 from tr_engine.core.methods import ADAPTIVE, DEFAULT_METHOD, MAX_MATRIX_K, methods
+from tr_engine.errors import UserError
 from tr_engine.model.folders import DEFAULT_MODEL
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")  # weights.DTYPES, torch-free

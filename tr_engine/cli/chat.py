@@ -11,11 +11,11 @@ import os
 import sys
 
 from tr_engine import checks
-from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.cli.args import add_engine_args, add_matrix_args, engine_from_args, integer, load_matrix, \
     sampling_from_args
-from tr_engine.errors import MatrixFileError, UserError, one_line, warn
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.core.methods import methods
+from tr_engine.errors import MatrixFileError, UserError, one_line, warn
 
 HELP = """commands:
   /reset          start a new conversation (the recycling matrix is kept)

@@ -7,8 +7,8 @@
 
 The model's chat template is applied unless --no-template. User errors print one line and exit with status 2
 (tr_engine/cli/common.py has the other statuses). With --prompts-file, every line of FILE is one request (text, or a
-JSON
-list of {"role", "content"} messages), decoded up to --batch at a time (tr_engine/core/batch.py), and each answer is one
+JSON list of {"role", "content"} messages), decoded up to --batch at a time (tr_engine/core/batch.py), and each answer
+is one
 JSON line on stdout, in the file's order; a request that cannot run gets {"index": i, "error": ...} (and a line on
 stderr) while the others finish, and the exit status is then 2.
 """
@@ -18,8 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.cli.args import add_engine_args, engine_from_args, integer, sampling_from_args
+from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.errors import MatrixFileError, UserError, warn
 
 

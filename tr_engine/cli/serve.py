@@ -5,8 +5,7 @@
         [--prefix-reuse on|off] [--method hybrid|tr|pld|ar] [--tree ...] [--dtype D] [--threads T] ...
 
 Every request joins the running batch as it arrives (tr_engine/serving/scheduler.py), so each client gets exactly what
-it
-would get alone while Token Recycling's one matrix learns from every client, and a conversation's next turn finds its
+it would get alone while Token Recycling's one matrix learns from every client, and a conversation's next turn finds its
 earlier turns still in a slot's cache (prefix reuse, least recently used slots emptied first). The endpoints and
 their errors:
 tr_engine/serving/openai_api.py. HTTP and server-sent events are FastAPI on uvicorn, as vLLM and SGLang serve theirs.
@@ -28,9 +27,9 @@ import threading
 
 import uvicorn
 
-from tr_engine.cli.common import EXIT_BUG, ArgumentParser, run
 from tr_engine.cli.args import add_engine_args, add_matrix_args, engine_from_args, integer, load_matrix, real, \
     sampling_from_args
+from tr_engine.cli.common import EXIT_BUG, ArgumentParser, run
 from tr_engine.errors import MatrixFileError, UserError, warn
 
 DEFAULT_PORT = 8000

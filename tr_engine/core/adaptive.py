@@ -26,8 +26,8 @@ from bisect import bisect_right
 from itertools import accumulate
 
 from tr_engine.core.cost import BUCKETS, CostModel
-from tr_engine.model.parallel import ALONE, Shard
 from tr_engine.core.tree import DraftTree, build_tree
+from tr_engine.model.parallel import ALONE, Shard
 
 # A candidate's confidence (its share of its row's top-k mass when the row was written: RecyclingMatrix.confidence)
 # falls in one of these bins; each bin's acceptance rate is learned, per depth class.
@@ -103,9 +103,10 @@ class StepTimes:
     The curve is measured once, in a tight loop; the steps it prices run later, amid the loop's own work, on a machine
     whose speed drifts (a shared CPU's plain step, and the relative cost of a bigger verify with it, move as its
     neighbours' load changes: bench/results/forward_cost_*.md shows the spread). Each step's measured seconds over
-    the curve's prediction for its size update its bucket's factor (a decayed mean; single outliers, a preemption say, are clipped to 2x). A bucket not
-    stepped yet borrows the factor of the nearest one that was (the bigger one on a tie), so a curve that drifted up
-    makes the unexplored sizes look dearer too, and one that drifted down gets them tried."""
+    the curve's prediction for its size update its bucket's factor (a decayed mean; single outliers, a preemption say,
+    are clipped to 2x). A bucket not stepped yet borrows the factor of the nearest one that was (the bigger one on a
+    tie), so a curve that drifted up makes the unexplored sizes look dearer too, and one that drifted down gets them
+    tried."""
 
     RECENT = 32  # the factor is a mean over about this many recent steps of its bucket
 

@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tr_engine.core.decode import Generation, run_to_end, uncached
+from tr_engine.core.decode import uncached
 from tr_engine.core.drafters import Draft
+from tr_engine.core.generation import Generation, run_to_end
+from tr_engine.core.sampling import Sampler, greedy
+from tr_engine.core.speculative import PHASES, PhaseClock, prefill_and_seed, step, stop
 from tr_engine.errors import UserError
 from tr_engine.model.kv_cache import BatchKVCache, KVCache, OneSlot
 from tr_engine.model.llama import Llama, RaggedBatch
-from tr_engine.core.sampling import Sampler, greedy
-from tr_engine.core.speculative import PHASES, PhaseClock, prefill_and_seed, step, stop
 
 
 @dataclass
@@ -117,8 +118,8 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     Generation or its error. `requests` is an iterable of Requests in id order, or a source whose take(block)
     returns the next Request, None when none is waiting yet, or END, and whose leaving(active) returns the running
     requests to drop (tr_engine/serving/scheduler.py: requests that arrive while the batch runs, and leave when
-    cancelled). A
-    cancelled request leaves at the next step boundary with the error "cancelled". With `reuse_prefix`, a request takes the free slot that holds
+    cancelled). A cancelled request leaves at the next step boundary with the error "cancelled". With `reuse_prefix`, a
+    request takes the free slot that holds
     the longest start of its prompt (a finished request's prompt and answer stay in its slot) and prefills only the
     rest: the same bits as a cold prefill, the kernels being row-independent."""
     limit = cache.slots if limit is None else min(limit, cache.slots)

@@ -3,8 +3,8 @@
 A draft tree pays only if the tokens it gets accepted outweigh its cost, and that cost is a property of the hardware,
 model, dtype and thread count: on the paper's A100 an 81-token verify costs little more than a plain step, on a small
 CPU several (bench/results/forward_cost_*.md). So the adaptive tree (tr_engine/core/adaptive.py) reads a cost curve
-measured
-where the engine runs: a few seconds of timed steps at first use, cached as JSON under $TR_ENGINE_HOME/costs/ per
+measured where the engine runs: a few seconds of timed steps at first use, cached as JSON under $TR_ENGINE_HOME/costs/
+per
 model, dtype, device, threads and ops, and measured again when any of those (or the torch version, the CPU or the
 compiled kernels) changes, or on `--recalibrate`.
 
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from tr_engine.files import atomic_write
 from tr_engine.core.sampling import greedy
 from tr_engine.core.tree import sample_tree_mask
+from tr_engine.files import atomic_write
 
 # Verify sizes (tokens, root included) a tree may take, and the ones the cost curve measures. Every size from 1 to 8
 # is measured: where the matmul kernels change with the row count (tr_engine/model/ops.py), the curve has steps that
@@ -61,11 +61,11 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     size alike: `reps` passes over the sizes after a warm-up pass (unless `warm_up` is False: a second prefix, whose
     first calls of each size have nothing left to set up), or fewer (one at least) once the timed passes have taken
     `budget_s` (a 7B model's pass takes half a minute on a CPU, a small model's a second), or more (up to MAX_PASSES)
-    until they have taken `floor_s` (a tiny model's pass takes milliseconds, and its timings jitter). With `max_relative`, the
-    sizes after the first that took more than that many plain steps are not timed again, nor returned (judged in the
-    warm-up pass at twice the limit, then in the first timed one). `samples`, if given, receives every timing of each
-    size, and under "before" and "after" three more plain steps' timed just before and after the passes (a noisy
-    spell shows as a difference); `on_step()` is called after each forward.
+    until they have taken `floor_s` (a tiny model's pass takes milliseconds, and its timings jitter). With
+    `max_relative`, the sizes after the first that took more than that many plain steps are not timed again, nor
+    returned (judged in the warm-up pass at twice the limit, then in the first timed one). `samples`, if given, receives
+    every timing of each size, and under "before" and "after" three more plain steps' timed just before and after the
+    passes (a noisy spell shows as a difference); `on_step()` is called after each forward.
     With `with_argmax`, each timing includes the argmax over the logits and its host sync (what a decode step pays);
     under tensor parallelism a tree's includes instead the merge of its rows' top-`top_k` across the ranks (what a
     greedy verify step pays: tr_engine/core/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
@@ -198,8 +198,8 @@ class CostModel:
         clamped to what the biggest leaves (time_steps: `top_k` is the matrix's k; `reps` passes, fewer past
         `budget_s` of them in all; sizes dearer than MAX_RELATIVE plain steps left out and extrapolated). A doubtful
         curve (see `doubts`) is measured once more if that fits in MEASURE_CEILING_S; if it is still doubtful, it
-        comes back with its `doubt` set (use it, do not cache it). `progress(fraction)` is called as the forwards run. A cache too small for a
-        draft gets a curve of plain steps only."""
+        comes back with its `doubt` set (use it, do not cache it). `progress(fraction)` is called as the forwards run. A
+        cache too small for a draft gets a curve of plain steps only."""
         sizes = tuple(T for T in BUCKETS if T <= cache.capacity // 2)
         if len(sizes) < 2:
             return cls((1,), (0, 0), [[1.0], [1.0]], [0.0, 0.0], key)
@@ -317,8 +317,7 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
 def kernels_build(cpu_tier: str | None = None) -> str:
     """A fingerprint of the compiled kernels (their files' hash): the op library's and, on a CPU, the library of the
     tier in use (tr_engine/model/cpu.py), where the CPU kernels are. A rebuilt kernel has another cost curve. (Hashing
-    the
-    op library alone kept a curve measured with the CPU kernels before a change.)"""
+    the op library alone kept a curve measured with the CPU kernels before a change.)"""
     import tr_engine._C
     from tr_engine.model import cpu
 
@@ -338,3 +337,24 @@ def cost_path(home: Path, key: dict) -> Path:
     tier = f"-{key['cpu_tier']}" if key.get("cpu_tier") else ""
     name = f"{key['model']}-{key['dtype']}-{key['device']}{tier}-t{key['threads']}-{key['ops']}{variant}.json"
     return home / "costs" / safe(name)
+
+
+def calibrated(model, cache, key: dict, path: Path, shard, top_k: int, notify=None,
+               again: bool = False) -> tuple[CostModel, bool]:
+    """The curve for `key` and whether it was measured now: loaded from `path`, or (`again`, or none saved) measured
+    with `model` in `cache` (overwriting it) and saved there unless doubtful. Under tensor parallelism every rank
+    measures together and rank 0's curve is kept. `notify(fraction, doubt)` hears a measurement: 0.0, fractions,
+    then 1.0 with its doubt."""
+    cost = None if again else CostModel.load(path, key)
+    measure = shard.from_rank0(cost is None)
+    if measure:
+        notify = notify or (lambda fraction, doubt=None: None)
+        notify(0.0, None)
+        cost = CostModel.measure(model, cache, key, top_k=top_k, progress=lambda fraction: notify(fraction, None))
+        notify(1.0, cost.doubt)
+        try:
+            if shard.rank == 0 and cost.doubt is None:
+                cost.save(path)
+        except OSError:
+            pass  # a read-only home: measure again next time
+    return shard.from_rank0(cost), measure

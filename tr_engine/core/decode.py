@@ -11,30 +11,14 @@ far; the cache may already hold a prefix of it (a conversation's earlier turns),
 """
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from tr_engine.core.generation import Generation, run_to_end
+from tr_engine.core.sampling import Sampler, greedy
 from tr_engine.errors import UserError
 from tr_engine.model.kv_cache import KVCache
 from tr_engine.model.llama import Llama
-from tr_engine.core.sampling import Sampler, greedy
-
-
-@dataclass
-class Generation:
-    """What one call generated: the new ids (ending with the EOS id when finish_reason == 'eos') and its timings."""
-
-    token_ids: list[int]
-    finish_reason: str  # "eos", "length", or "cancelled" (asked to stop: Engine.stream's cancel)
-    prompt_tokens: int  # tokens prefilled by this call (the context minus what the cache already held)
-    prefill_s: float
-    decode_s: float
-    steps: int  # forwards after the prefill
-    accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each step
-    phase_s: dict[str, float] = field(default_factory=dict)  # decode seconds by phase (speculative methods)
-    verify_tokens: list[int] = field(default_factory=list)  # tokens each step's forward verified (root included)
-    step_end_s: list[float] = field(default_factory=list)  # batched: when each step ended, in seconds of decode_s
 
 
 @torch.inference_mode()
@@ -59,13 +43,6 @@ def uncached(cache: KVCache, context_ids: list[int]) -> list[int]:
     return context_ids[cache.length :]
 
 
-def run_to_end(steps) -> Generation:
-    """Drive a decode generator to its end, dropping the streamed pieces; return its Generation."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
 
 
 @torch.inference_mode()

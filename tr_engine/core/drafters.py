@@ -14,8 +14,7 @@ tr_engine/core/methods.py's DRAFTERS:
 - recycle(draft, logits): every node's top-k into the matrix.
 Everything a step's later calls need from its proposal travels in the Draft, never on the drafter, so one drafter
 serves many sequences at once (tr_engine/core/batch.py). A drafter may also offer propose_batch(histories) -> Drafts,
-one
-step's drafts for several sequences planned together (the adaptive tree splits one forward's budget among them), and
+one step's drafts for several sequences planned together (the adaptive tree splits one forward's budget among them), and
 recycle_batch(drafts, logits), their recycles in one update; without them, each sequence proposes and recycles alone.
 And it may offer `top_k` (the k its recycling needs: 1 for none) and recycle_top(draft, values, ids), the recycle
 from each node's top-k alone (values and ids [n+1, top_k], best first): a greedy step under tensor parallelism then

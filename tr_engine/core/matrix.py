@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
+from tr_engine.core.methods import MAX_MATRIX_K
+from tr_engine.core.tree import DraftTree
 from tr_engine.errors import InvalidValue, MatrixFileError
 from tr_engine.files import atomic_write, signals_deferred
-from tr_engine.core.methods import MAX_MATRIX_K
 from tr_engine.model.ops import resolve_ops
-from tr_engine.core.tree import DraftTree
 
 
 class RecyclingMatrix:

@@ -2,11 +2,12 @@
 tools and the benchmarks all read. No torch import here, so `--help` stays instant.
 
 A new drafter is one class (tr_engine/core/drafters.py says what it implements) and one line in DRAFTERS, or, from
-outside
-the package, one call to register_drafter.
+outside the package, one call to register_drafter.
 """
 
 import importlib
+
+from tr_engine.errors import InvalidValue
 
 # method -> its drafter, as "module:Class" (imported when first used) or the class itself
 DRAFTERS: dict[str, object] = {
@@ -44,3 +45,9 @@ def drafter_class(name: str):
         entry = DRAFTERS[name] = getattr(importlib.import_module(module), cls)
     return entry
 
+
+def check_method(method: str) -> str:
+    """`method` if it is a decode method's name (a one-line error naming the choices otherwise)."""
+    if not isinstance(method, str) or method not in methods():
+        raise InvalidValue(f"unknown method {method!r}; choose one of {', '.join(methods())}")
+    return method

@@ -23,10 +23,10 @@ import torch
 
 from tr_engine.core.decode import prefill
 from tr_engine.core.drafters import Draft
-from tr_engine.model.kv_cache import KVCache
-from tr_engine.model.llama import Llama
 from tr_engine.core.sampling import Sampler, greedy
 from tr_engine.core.tree import DraftTree, chain_tree, truncate_tree
+from tr_engine.model.kv_cache import KVCache
+from tr_engine.model.llama import Llama
 
 
 @torch.inference_mode()

@@ -2,8 +2,7 @@
 
 The kernels (csrc/cpu/kernels/) are one source compiled once per tier, with the flags below, into
 `tr_engine/_cpu_<tier>.so` (setup.py). When the ops load (tr_engine.model.ops), the best tier this CPU can run becomes
-the
-one every CPU op calls, or the tier the environment variable TR_ENGINE_CPU names (`TR_ENGINE_CPU=avx2` on an
+the one every CPU op calls, or the tier the environment variable TR_ENGINE_CPU names (`TR_ENGINE_CPU=avx2` on an
 AVX-512 machine runs the AVX2 kernels, to see what an AVX2 CPU gets). The op library checks the CPU's features
 before it opens a tier's library, so a build made on one machine runs on any x86-64 CPU with the tiers it can run.
 

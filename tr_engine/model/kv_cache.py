@@ -6,8 +6,8 @@ either commits them (causal input) or compacts the accepted ones (a tree) with o
 
 import torch
 
-from tr_engine.model.config import LlamaConfig
 from tr_engine.errors import ContextOverflow
+from tr_engine.model.config import LlamaConfig
 
 
 class KVCache:

@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tr_engine.model import cpu, reference
 from tr_engine.errors import InvalidType, UserError
+from tr_engine.model import cpu, reference
 
 OP_NAMES = ("compact_kv_", "skinny_linear", "pack_linear", "packed_linear", "recycle_update_", "tree_attention",
             "tree_attention_dynamic", "tree_attention_batch", "decoder_layers", "argmax_rows")

@@ -27,8 +27,8 @@ from datetime import timedelta
 
 import torch
 
-from tr_engine.model.config import LlamaConfig
 from tr_engine.errors import UnsupportedConfig, UserError
+from tr_engine.model.config import LlamaConfig
 
 DEFAULT_TIMEOUT_S = 120.0  # a rank that does not answer a collective within this ends the run (not a hang)
 TIMEOUT_ENV = "TR_ENGINE_TP_TIMEOUT_S"

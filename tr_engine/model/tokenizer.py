@@ -7,8 +7,9 @@ import json
 import re
 from pathlib import Path
 
+from tr_engine import checks
+from tr_engine.errors import InvalidType, InvalidValue, UserError
 from tr_engine.model.chat_template import ChatTemplate
-from tr_engine.errors import UserError
 
 
 class Tokenizer:
@@ -32,6 +33,31 @@ class Tokenizer:
         text = self.chat_template.render(messages, add_generation_prompt)
         # Templates that start with the BOS text already carry it; otherwise follow the tokenizer's own rule.
         return self.encode(text, add_bos=self.add_bos and not text.startswith(self.chat_template.bos_token or "\0"))
+
+    def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
+        """A prompt's ids, checked: a string (wrapped as one user message unless chat_template=False) or messages
+        ([{'role': str, 'content': str}, …]); anything else is refused with an InvalidType or InvalidValue."""
+        checks.flag(chat_template, "chat_template")
+        if isinstance(prompt, str):
+            checks.text(prompt, "the prompt")
+            if not prompt.strip():
+                raise InvalidValue("the prompt is empty; give some text to answer")
+            if not chat_template:
+                return self.encode(prompt)
+            prompt = [{"role": "user", "content": prompt}]
+        elif not isinstance(prompt, (list, tuple)):
+            raise InvalidType(f"the prompt must be a string or a list of messages, got {type(prompt).__name__}")
+        if not prompt:
+            raise InvalidValue("the conversation has no messages; give at least one {'role': 'user', 'content': …}")
+        for i, m in enumerate(prompt):
+            if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
+                raise InvalidType(f"message {i} must be a dict with 'role' and 'content', got "
+                                  f"{type(m).__name__ if not isinstance(m, dict) else sorted(m)}")
+            checks.text(m["role"], f"message {i}'s role")
+            checks.text(m["content"], f"message {i}'s content")
+        if not chat_template:
+            raise InvalidValue("chat_template=False takes a prompt string, not messages")
+        return self.encode_chat([{"role": m["role"], "content": m["content"]} for m in prompt])
 
     def fingerprint(self) -> str:
         """A short hash of the tokenizer file: what a saved recycling matrix is checked against."""

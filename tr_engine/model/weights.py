@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from tr_engine.model.config import LlamaConfig
 from tr_engine.errors import UserError, WeightsError
+from tr_engine.model.config import LlamaConfig
 from tr_engine.model.llama import Llama
 from tr_engine.model.ops import packs
 from tr_engine.model.parallel import ALONE, Shard, slices
@@ -177,11 +177,10 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
                shard: Shard = ALONE, progress: Callable[[int, int], None] | None = None) -> Llama:
     """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference, its
     projections and decode/verify attention computed by `ops` (tr_engine.model.ops: a spec like "kernels", or a
-    namespace).
-    Under tensor parallelism (`shard`), this rank's slice only, each weight's rows or columns read from the file
+    namespace). Under tensor parallelism (`shard`), this rank's slice only, each weight's rows or columns read from the
+    file
     alone (tr_engine/model/parallel.py). `progress(done, total)`, if given, hears the bytes of the files gone through
-    after
-    each tensor (a 7B model takes half a minute on a CPU; a progress bar's input)."""
+    after each tensor (a 7B model takes half a minute on a CPU; a progress bar's input)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist; pass a Hugging Face model folder or a known model name")

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 
 from tr_engine import checks
-from tr_engine.errors import one_line
 from tr_engine.core.sampling import Sampling
+from tr_engine.errors import one_line
 
 MAX_STOPS = 4  # as OpenAI's API: up to four stop sequences
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",

@@ -7,8 +7,7 @@
     GET  /metrics                Prometheus text: requests, tokens, reused prefix tokens, MAT, running and queued
 
 Every request goes to the Scheduler (tr_engine/serving/scheduler.py) as it arrives and joins the running batch at the
-next
-step, so each client gets exactly the tokens it would get alone, while Token Recycling's matrix learns from all of
+next step, so each client gets exactly the tokens it would get alone, while Token Recycling's matrix learns from all of
 them. A request the server cannot take gets the OpenAI API's error shape, {"error": {"message", "type", "param",
 "code"}}, with a 4xx status that names the problem (or 503 and Retry-After while the queue is full); never a 500
 for what a client sent.
@@ -31,11 +30,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tr_engine.serving.api_schema import CHAT_FIELDS, COMPLETION_FIELDS, APIError, Job, Shape, read_body, read_job
-from tr_engine.errors import ContextOverflow, UserError, one_line
 from tr_engine.core.sampling import Sampling
-from tr_engine.serving.scheduler import QueueFull, RequestError, Scheduler
+from tr_engine.errors import ContextOverflow, UserError, one_line
 from tr_engine.model.tokenizer import StreamDecoder
+from tr_engine.serving.api_schema import CHAT_FIELDS, COMPLETION_FIELDS, APIError, Job, Shape, read_body, read_job
+from tr_engine.serving.scheduler import QueueFull, RequestError, Scheduler
 
 RETRY_AFTER_S = 1  # what a 503 asks a client to wait before it tries again
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there

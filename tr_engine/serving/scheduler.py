@@ -28,10 +28,10 @@ import time
 from collections import deque
 
 from tr_engine.core.batch import END, Request, batch_steps
-from tr_engine.core.decode import Generation
-from tr_engine.errors import ContextOverflow, UserError
+from tr_engine.core.generation import Generation
 from tr_engine.core.methods import AR
 from tr_engine.core.sampling import Sampling, sampling_of
+from tr_engine.errors import ContextOverflow, UserError
 
 
 class QueueFull(UserError):
@@ -103,7 +103,8 @@ class Scheduler:
     def __init__(self, engine, method: str | None = None, max_queued: int = 64, thread: bool = True,
                  prefix_reuse: bool = True, seed_from_prompt: bool = False):
         from tr_engine import checks
-        from tr_engine.engine import check_method, seeder
+        from tr_engine.core.methods import check_method
+        from tr_engine.engine import seeder
 
         self.engine, self.max_queued = engine, max_queued
         self.method = check_method(method or engine.method)
