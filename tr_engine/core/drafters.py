@@ -220,7 +220,7 @@ class Hybrid:
         tokens = draft.tokens.tolist()
         node, j = 0, 0
         while j < len(chain):  # follow the tree while it already drafts the chain's tokens
-            child = next((c for c in tree.children[node] if tokens[c] == chain[j]), None)
+            child = tree.child(node, tokens, chain[j])
             if child is None:
                 break
             node, j = child, j + 1

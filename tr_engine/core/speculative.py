@@ -79,7 +79,7 @@ def accept(draft: Draft, predicted: torch.Tensor) -> tuple[list[int], list[int]]
     predicted, tokens = torch.stack([predicted, draft.tokens]).tolist()  # the step's one host sync
     path, node = [], 0
     while True:
-        child = next((c for c in draft.tree.children[node] if tokens[c] == predicted[node]), None)
+        child = draft.tree.child(node, tokens, predicted[node])
         if child is None:
             break
         path.append(child)
@@ -95,7 +95,7 @@ def accept_sampled(draft: Draft, logits: torch.Tensor, sampler: Sampler, j: int)
     path, node = [], 0
     while True:
         x = sampler.draw(logits[node], j + len(path))
-        child = next((c for c in draft.tree.children[node] if tokens[c] == x), None)
+        child = draft.tree.child(node, tokens, x)
         if child is None:
             return path, [tokens[i] for i in path] + [x]
         path.append(child)

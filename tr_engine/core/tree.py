@@ -37,6 +37,11 @@ class DraftTree:
         """Tokens in a verify step: the root plus the n nodes."""
         return len(self.paths) + 1
 
+    def child(self, node: int, tokens: list[int], token: int) -> int | None:
+        """The child of `node` that drafts `token` (`tokens`: the draft's, by node), the lowest-ranked of equal
+        siblings, or None: the one step of every descent (acceptance, sampled acceptance, a graft)."""
+        return next((c for c in self.children[node] if tokens[c] == token), None)
+
     def to(self, device) -> "DraftTree":
         move = {f: getattr(self, f).to(device) for f in ("parent", "rank", "depth", "mask")}
         return DraftTree(self.paths, levels=self.levels, children=self.children, **move)
