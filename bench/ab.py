@@ -40,11 +40,14 @@ def worker() -> None:
     # from another spell of this machine (one measured while it was slow priced a 6-token fp32 verify at one plain
     # step, its trees grew, and hybrid read 0.970x against a side that had measured its own).
     if config.get("curve"):  # the other side's curve (set as the engine's own: an older checkout has no use_cost)
-        from tr_engine.core.cost import CostModel
+        try:
+            from tr_engine.core.cost import CostModel
+        except ImportError:  # a checkout from before the sub-packages
+            from tr_engine.cost import CostModel
 
         c = config["curve"]
-        engine._cost = CostModel(tuple(c["sizes"]), tuple(c["prefixes"]), c["relative"], c["plain_s"],
-                                 engine._cost_key())
+        key = engine._cost_key() if hasattr(engine, "_cost_key") else engine._cost_location()[0]  # (older checkouts)
+        engine._cost = CostModel(tuple(c["sizes"]), tuple(c["prefixes"]), c["relative"], c["plain_s"], key)
     cost = engine.cost_model(recalibrate=not config.get("curve"))
     # the curve this side plans with: two sides' trees differ where their curves do
     print(json.dumps({"ready": True, "curve": {"sizes": list(cost.buckets), "prefixes": list(cost.prefixes),
