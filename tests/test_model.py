@@ -60,10 +60,11 @@ def test_incremental_decode_matches_full_forward(tiny_factory):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_packed_models_prompt_caches_the_same_bits_whole_in_chunks_or_token_by_token(tiny_factory, dtype):
+def test_a_packed_models_prompt_caches_the_same_bits_whole_in_chunks_or_token_by_token(tiny_factory, dtype, cpu_tier):
     """Row independence reaches the prompt: a packed CPU model's prompt chunk runs through the decode steps' op, so a
     prompt prefilled whole, in chunks (a conversation's turns, a server slot's reused prefix) or one token at a time
-    gives the same logits and caches the same K/V, bit for bit, across a 256-key block of the attention."""
+    gives the same logits and caches the same K/V, bit for bit, across a 256-key block of the attention; on every CPU
+    kernel tier."""
     folder = tiny_factory("packed-prompt", dtype=torch.bfloat16, vocab_size=300, std=0.5)
     model = load_model(folder, dtype)
     assert model.fused_layers  # (the compiled kernels' packed model: the layers as one op)
