@@ -99,7 +99,7 @@ def trained(trees: AdaptiveTrees, k: int = 8) -> AdaptiveTrees:
 
 
 def plan(trees, m, root=0, prefix=100, chain=(), values=()):
-    return trees.plan(m.table, m.confidence, root, prefix, list(chain), list(values))
+    return trees.plan(m.table, m.confidence, [root], [prefix], [list(chain)], [list(values)])[0]
 
 
 def test_trees_follow_the_confident_candidates_and_are_prefix_closed():
@@ -183,6 +183,27 @@ def test_chain_tokens_the_tree_already_drafts_are_not_charged_twice():
     # Counted twice, as before this rule, those three would have looked worth 2.4 more tokens.
     other, k = plan(trees, m, chain=[40, 41, 42], values=[0.9, 0.8, 0.7])  # a chain off the tree: charged
     assert trees.expected > alone + 1.0 and k >= 1
+
+
+def test_one_plan_for_one_sequence_or_a_batch():
+    trees = trained(AdaptiveTrees(CPU_LIKE))
+    m = sure_chain()
+    alone = plan(trees, m)
+    assert trees.plan(m.table, m.confidence, [0], [100]) == [alone]  # a batch of one is a batch
+    # Two sequences share one forward: one whose root drafts the sure chain, one whose root's row was never written
+    # (the same candidates, at confidence 0). The sure one drafts less than alone (the other's root takes a token
+    # of the forward's bucket), the other nothing.
+    m.confidence[63] = 0.0
+    sure, blank = trees.plan(m.table, m.confidence, [0, 63], [100, 100])
+    assert 1 < sure[0].size < alone[0].size and sure[0].size + blank[0].size in BUCKETS and blank[0].size == 1
+    # Where nothing beats plain decoding by the batch's margin, every sequence takes a plain step.
+    trees.cost = LINEAR
+    assert [t.size for t, _ in trees.plan(m.table, m.confidence, [0, 5], [100, 100])] == [1, 1]
+    # A size costs its whole bucket (a step runs padded to it under CUDA graphs; a CPU kernel's cost moves in steps
+    # of its row tiles), so a plan fills the bucket it pays for: 12 tokens of the sure chain, not the 13 that reach
+    # the depth limit, which would pay for the 16 bucket.
+    trees.cost = CPU_LIKE
+    assert {plan(trees, sure_chain(), root=r)[0].size for r in range(8)} == {12}
 
 
 def test_graft_chain_buffers():

@@ -12,18 +12,18 @@ The paper expands a fixed 80-node tree. Which tree pays depends on two things it
 A node is taken to be accepted with the product of its path's rates, so the expected tokens a step commits are 1
 (the bonus token) plus the sum of its nodes' probabilities, and the best tree of n nodes is the n most probable nodes
 (a child's probability is never above its parent's, so they form a tree). Each step, `AdaptiveTrees.plan` expands the
-root's candidates best first, reading the matrix as it goes (EAGLE-2's dynamic tree, with the recycling matrix as
-the drafter), and picks the size bucket that maximises expected tokens / cost(size), which may be a plain one-token
-step when nothing pays.
+roots' candidates best first, reading the matrix as it goes (EAGLE-2's dynamic tree, with the recycling matrix as
+the drafter), and stops at the size that maximises expected tokens / cost(size), which may be a plain one-token
+step when nothing pays. One sequence or a batch is the same plan: a batched step's sequences share one forward, so
+their candidates compete for its tokens.
 
 Prompt lookup's chain (hybrid drafting) enters the same sum: its j-th token is right with the product of the first j
 per-position rates that `ChainStats` learns; chain tokens that follow the tree's own nodes are the same nodes (no
-cost, no extra tokens), and the chain's length is chosen jointly with the tree's size.
+cost, no extra tokens), and chain tokens compete with the tree's nodes for the step's size.
 """
 
 import heapq
 from bisect import bisect_right
-from itertools import accumulate
 
 from tr_engine.core.cost import BUCKETS, CostModel
 from tr_engine.core.tree import DraftTree, build_tree
@@ -180,90 +180,34 @@ class AdaptiveTrees:
         if not self.pinned:
             self.times.observe(tokens, prefix, self.shard.agree(seconds))
 
-    def plan(self, table, confidence, root: int, prefix: int, chain: list[int] = (),
-             chain_values: list[float] = ()) -> tuple[DraftTree, int]:
-        """This step's tree from `root` and how many tokens of a prompt-lookup chain to add (`chain`, with the path
-        probabilities `chain_values` of its tokens), maximising expected committed tokens / cost. `table`,
-        `confidence`: the matrix's [V, k] ids and confidences. A tree's size is a bucket; chain tokens that follow
-        the tree's own nodes add nothing but their better odds, the rest are charged at the smallest bucket holding
-        them too.
+    def plan(self, table, confidence, roots: list[int], prefixes: list[int], chains: list[list[int]] = None,
+             chain_values: list[list[float]] = None) -> list[tuple[DraftTree, int]]:
+        """One step's trees, one per sequence (one or many), and how many tokens of its prompt-lookup chain each
+        adds (`chains`, with the path probabilities `chain_values` of their tokens), maximising the step's expected
+        committed tokens over the cost of one forward of all their tokens. `table`, `confidence`: the matrix's
+        [V, k] ids and confidences.
 
         Best-first expansion: a node's probability is its parent's times the rate of its confidence bin at its
-        depth, so the n most probable nodes form a tree (a child is never above its parent) and the expected
-        tokens of a size-T tree is 1 (the bonus token) plus its nodes' probabilities. Nodes are expanded bucket by
-        bucket, only while a bigger tree could still beat the best so far."""
-        if self._since >= self.refresh:
-            self._rates, self._since = self.stats.rates(), 0
-        rates = self._rates
-        curve = self.times.curve(prefix)
-        buckets = [T for T in self.buckets if T in curve]  # a curve measured in a small cache stops early
-        charged = {}  # tokens -> cost of the smallest bucket holding them
-        for T in range(buckets[-1], 0, -1):
-            charged[T] = curve[T] if T in curve else charged[T + 1]
-        chain_cum = [0.0] + list(accumulate(chain_values))
-        best, best_value, self.expected = (1, 0), 1.0 / charged[1], 1.0
-        heap, paths, expected = [], [], 1.0
-        prob, kids = {(): 1.0}, {}  # a chosen node's probability; (parent path, token) -> child path
-
-        def expand(token: int, path: tuple, p: float) -> None:
-            d = min(len(path), DEPTHS - 1)
-            for r, (child, c) in enumerate(zip(table[token].tolist(), confidence[token].tolist())):
-                heapq.heappush(heap, (-p * rates[d][confidence_bin(c)], path + (r,), child))
-
-        expand(root, (), 1.0)
-        for i, T in enumerate(buckets):
-            while len(paths) < T - 1 and heap:
-                neg, path, token = heapq.heappop(heap)
-                paths.append(path)
-                prob[path] = -neg
-                kids.setdefault((path[:-1], token), path)
-                expected -= neg
-                if len(path) < self.MAX_DEPTH:
-                    expand(token, path, -neg)
-            if len(paths) < T - 1:
-                break
-            shared, gain, node = 0, [0.0], ()  # the chain's first tokens that are tree nodes already
-            while shared < len(chain) and (node := kids.get((node, chain[shared]))) is not None:
-                gain.append(gain[-1] + max(0.0, chain_values[shared] - prob[node]))
-                shared += 1
-            for m in range(len(chain) + 1):
-                s = min(m, shared)
-                if T + m - s > buckets[-1]:
-                    break
-                tokens = expected + gain[s] + chain_cum[m] - chain_cum[s]
-                if tokens / charged[T + m - s] > best_value:
-                    best, best_value, self.expected = (T, m), tokens / charged[T + m - s], tokens
-            # A bigger tree adds nodes no more probable than the heap's best: stop when none could win.
-            top = -heap[0][0] if heap else 0.0
-            if all((expected + top * (U - T) + chain_cum[-1]) / charged[U] <= best_value for U in buckets[i + 1:]):
-                break
-        T, m = best  # self.expected: the tokens this step should commit (a diagnostic)
-        return self.tree(tuple(paths[: T - 1])), m
-
-    def plan_batch(self, table, confidence, roots: list[int], prefixes: list[int], chains: list[list[int]] = None,
-                   chain_values: list[list[float]] = None) -> list[tuple[DraftTree, int]]:
-        """The trees of one batched step, one per sequence, and how many tokens of its prompt-lookup chain each adds:
-        every sequence's candidates (its tree's nodes best first, as in `plan`, and its chain's tokens), most
-        probable first across the batch, as many as maximise the batch's expected committed tokens over the cost of
-        one forward of all their tokens (the cost curve at the batch's total tokens and mean prefix, interpolated
-        between sizes). So each sequence drafts what its candidates are worth against the others', and unless the
-        best plan beats plain decoding by BATCH_MARGIN, every sequence takes a plain step. Chain tokens the tree
-        drafts too are counted twice here (the graft adds them once): a small overestimate, only for hybrid
-        drafting."""
+        depth, so the n most probable nodes form a tree (a child is never above its parent), and a sequence's
+        expected tokens are 1 (the bonus token) plus its nodes' probabilities. Every sequence's candidates (its
+        tree's nodes and its chain's tokens) come off one heap, most probable first across the batch, so each
+        sequence drafts what its candidates are worth against the others'. A chain token the tree drafts too (or
+        the other way round) is one node: the second of the two adds neither a token nor a probability. The cost of
+        n tokens is the curve's at the batch's mean prefix and the smallest measured size holding them: a step runs
+        padded to that size under CUDA graphs, and on a CPU the kernels' cost moves in steps of their row tiles
+        (bench/results/forward_cost_*.md), which a line between two sizes would underprice. Candidates are taken while
+        a bigger step could still beat the best so far; a batch of more than one drafts only if its best plan beats
+        plain decoding by BATCH_MARGIN."""
         if self._since >= self.refresh:
             self._rates, self._since = self.stats.rates(), 0
         rates, B = self._rates, len(roots)
         chains = chains or [[] for _ in roots]
         chain_values = chain_values or [[] for _ in roots]
         curve = self.times.curve(sum(prefixes) // B)
-        sizes = [T for T in self.buckets if T in curve]
+        sizes = [T for T in self.buckets if T in curve]  # a curve measured in a small cache stops early
 
-        def cost(n: int) -> float:  # linear between the measured sizes
-            hi = next(T for T in sizes if T >= n)
-            lo = max([T for T in sizes if T < n], default=None)
-            if lo is None:
-                return curve[hi] * n / hi
-            return curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo)
+        def cost(n: int) -> float:  # the smallest measured size holding n tokens
+            return curve[next(T for T in sizes if T >= n)]
 
         heap = []  # (-probability, sequence, tie-breaker, node): a tree node (path, token) or a chain position
 
@@ -276,19 +220,33 @@ class AdaptiveTrees:
             expand(b, root, (), 1.0)
             if chains[b]:
                 heapq.heappush(heap, (-chain_values[b][0], b, len(heap), 0))
+        on_chain = [[] for _ in roots]  # on_chain[b][d]: the path of b's tree node drafting chains[b][:d + 1]
+        chained = [0] * B  # chain tokens taken
         taken, total, expected = [], B, float(B)
-        best, best_value = 0, B / cost(B) * (1 + self.BATCH_MARGIN)
+        margin = self.BATCH_MARGIN if B > 1 else 0.0
+        best, best_value, self.expected = 0, B / cost(B) * (1 + margin), float(B)
         while heap and total < sizes[-1]:
             neg, b, _, node = heapq.heappop(heap)
             taken.append((b, node))
-            total, expected = total + 1, expected - neg
             if isinstance(node, int):  # a chain token: the next one becomes a candidate
                 if node + 1 < len(chains[b]):
                     heapq.heappush(heap, (-chain_values[b][node + 1], b, len(heap), node + 1))
-            elif len(node[0]) < self.MAX_DEPTH:
-                expand(b, node[1], node[0], -neg)
+                twin = len(on_chain[b]) > node
+                chained[b] += 1
+            else:
+                path, token = node
+                d = len(path) - 1
+                twin = False
+                if d == len(on_chain[b]) and d < len(chains[b]) and token == chains[b][d] \
+                        and path[:-1] == (on_chain[b][-1] if d else ()):
+                    on_chain[b].append(path)
+                    twin = chained[b] > d
+                if len(path) < self.MAX_DEPTH:
+                    expand(b, token, path, -neg)
+            if not twin:
+                total, expected = total + 1, expected - neg
             if expected / cost(total) > best_value:
-                best, best_value = len(taken), expected / cost(total)
+                best, best_value, self.expected = len(taken), expected / cost(total), expected
             top = -heap[0][0] if heap else 0.0  # no bigger step can win once even the best candidates cannot
             if all((expected + top * (U - total)) / cost(U) <= best_value for U in sizes if U > total):
                 break

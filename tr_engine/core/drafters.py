@@ -88,17 +88,17 @@ class TokenRecycling:
         return self.draft(history, self.plan(history)[0] if self.adaptive else self.tree)
 
     def propose_batch(self, histories: list[list[int]]) -> list[Draft]:
-        """One batched step's drafts: with the adaptive tree, planned together (AdaptiveTrees.plan_batch)."""
+        """One batched step's drafts: with the adaptive tree, planned together (AdaptiveTrees.plan)."""
         if self.adaptive is None:
             return [self.propose(h) for h in histories]
         table, confidence = self.matrix.host()
-        plans = self.adaptive.plan_batch(table, confidence, [h[-1] for h in histories], [len(h) for h in histories])
+        plans = self.adaptive.plan(table, confidence, [h[-1] for h in histories], [len(h) for h in histories])
         return [self.draft(h, tree) for h, (tree, _) in zip(histories, plans)]
 
     def plan(self, history: list[int], chain: list[int] = (), chain_values: list[float] = ()) -> tuple[DraftTree, int]:
         """The adaptive tree for this step (from the root's candidates in the matrix) and the chain tokens to add."""
         table, confidence = self.matrix.host()  # (on a GPU a CPU mirror: the plan reads many rows)
-        return self.adaptive.plan(table, confidence, history[-1], len(history), chain, chain_values)
+        return self.adaptive.plan(table, confidence, [history[-1]], [len(history)], [chain], [chain_values])[0]
 
     def draft(self, history: list[int], tree: DraftTree) -> Draft:
         root = torch.tensor(history[-1], device=self.matrix.table.device)
@@ -207,7 +207,7 @@ class Hybrid:
             return [self.propose(h) for h in histories]
         found = [self.lookup.lookup(h) for h in histories]
         table, confidence = self.matrix.host()
-        plans = self.tr.adaptive.plan_batch(table, confidence, [h[-1] for h in histories],
+        plans = self.tr.adaptive.plan(table, confidence, [h[-1] for h in histories],
                                             [len(h) for h in histories], found,
                                             [self.chain_stats.values(len(f)) for f in found])
         return [self.compose(h, tree, f[:m], f) for h, f, (tree, m) in zip(histories, found, plans)]

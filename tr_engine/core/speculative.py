@@ -208,7 +208,7 @@ def verify_all(model: Llama, caches: list[KVCache], drafts: list[Draft], drafter
 
 def learn(drafter, drafts: list[Draft], accepted, seconds: float) -> None:
     """The drafter's statistics from what each sequence accepted; the adaptive tree's step times: alone, the step's
-    seconds; in a batch, the whole forward's tokens at the batch's mean prefix (what plan_batch prices)."""
+    seconds; in a batch, the whole forward's tokens at the batch's mean prefix (what AdaptiveTrees.plan prices)."""
     one = len(drafts) == 1
     for d, (_, tokens) in zip(drafts, accepted):
         drafter.learn(d, tokens, seconds if one else 0.0)
