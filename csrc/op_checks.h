@@ -122,6 +122,23 @@ inline void check_tree_attention_batch_args(const at::Tensor& q, const at::Tenso
   }
 }
 
+// tree_attention_rows: k, v are one layer of the batch cache, [N, Hkv, S, D]; rows int64 [T, 3] and tree_mask bool
+// [T, T] on q's device; the heads, dtypes and strides as tree_attention's. What rows hold (each row's slot, prefix
+// and sequence) the CPU kernel reads and checks; the CUDA kernel clamps it (checking it there would need a host sync).
+inline void check_tree_attention_rows_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& rows, const at::Tensor& tree_mask) {
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) >= 1,
+              "tree_attention_rows: k and v must be [N, Hkv, S, D] with N >= 1, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.dim() == 3, "tree_attention_rows: q must be [T, Hq, D], got ", q.dim(), " dims");
+  TORCH_CHECK(rows.dim() == 2 && rows.size(0) == q.size(0) && rows.size(1) == 3 && rows.scalar_type() == at::kLong,
+              "tree_attention_rows: rows must be int64 [T, 3] = [", q.size(0), ", 3] (slot, prefix, first row), got ",
+              rows.scalar_type(), " ", rows.sizes());
+  TORCH_CHECK(rows.device() == q.device(), "tree_attention_rows: rows must be on ", q.device(), ", got ",
+              rows.device());
+  TORCH_CHECK(k.stride(0) == v.stride(0), "tree_attention_rows: k and v must have the same strides");
+  check_tree_attention_args(q, k.select(0, 0), v.select(0, 0), 0, tree_mask);
+}
+
 // argmax_rows (CPU only): logits [..., V], V >= 1, float32 or float64.
 inline void check_argmax_rows_args(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "argmax_rows: x must be [..., V] with V >= 1, got ", x.sizes());

@@ -56,6 +56,16 @@ TORCH_LIBRARY(tr_engine, m) {
   m.def("tree_attention_batch(Tensor q, Tensor k, Tensor v, int[] slots, int[] prefix_lens, int[] offsets, "
         "Tensor tree_masks, float scale) -> Tensor");
 
+  // tree_attention_batch with every row's place in tensors on q's device, so that a CUDA graph of a batched step
+  // replays with any sequences, prefixes and trees in it (the launch depends on T alone). rows int64 [T, 3]: row t's
+  // cache slot, its sequence's prefix length P and the index f of its sequence's first row; row t attends to the
+  // slot's positions j < P, then to position P + i - f wherever tree_mask[t, i] (tree_mask bool [T, T] over the
+  // batch's rows). A sequence's rows are consecutive, share their row of `rows` and see rows of their own sequence
+  // only; padding rows are a sequence of their own (two sequences may read one slot). k, v [N, Hkv, S, D] with the new
+  // K/V in place. The CPU kernel reads and checks `rows` and gives tree_attention_batch's bits; the CUDA kernel clamps
+  // slots and positions into the cache instead of checking them (that would need a host sync). Returns [T, Hq, D].
+  m.def("tree_attention_rows(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor tree_mask, float scale) -> Tensor");
+
   // Every Llama decoder layer of a step (CPU; the model's path for decode steps and tree verifies of packed weights),
   // layer l from weights[6l..6l+5] = input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w and its cache kv[l]:
   //   h = x + o_proj(attention(rope(q), rope(k), v)) from qkv = norm(x; input_norm) @ qkv_w.T, then

@@ -10,8 +10,13 @@ from tr_engine.core.cost import BUCKETS, CostModel
 from tr_engine.core.tree import sample_tree_mask
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
-from tr_engine.model.graphs import StepGraphs, graph_buckets
-from tr_engine.model.kv_cache import KVCache
+from tr_engine.core.batch import Request, batch_steps
+from tr_engine.core.drafters import TokenRecycling
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.tree import load_tree
+from tr_engine.model.graphs import BatchGraphs, StepGraphs, graph_buckets
+from tr_engine.model.kv_cache import BatchKVCache, KVCache
+from tr_engine.model.llama import RaggedBatch
 from tr_engine.model.weights import load_model
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "def add(a, b):\n    return a + b\n" * 2,
@@ -141,3 +146,105 @@ def test_a_plain_step_in_a_bigger_bucket_sees_only_itself(folder):
     want = model(ids[30:31], torch.tensor([30]), cache.data, 30)
     got = runner(ids[30:31], torch.tensor([30]), cache.data, 30)
     assert torch.equal(got, want)
+
+
+# A batch's steps (BatchGraphs): every row's place in static tensors, padding rows in the cache's scratch slot.
+
+
+def batch_rehearsal(engine: Engine) -> BatchGraphs:
+    """The engine's batches through uncaptured static buffers: the batch graph path, minus the capture (the cache
+    with its scratch slot, as --cuda-graphs on makes it)."""
+    m = engine.model
+    engine._batch_cache = BatchKVCache(m.local_config, engine.max_batch, engine.batch_context, m.dtype, m.device,
+                                       scratch=True)
+    engine.batch_runner = BatchGraphs(m, engine._batch_cache,
+                                      graph_buckets(BUCKETS, engine.tree.size, engine.batch_context), capture=False)
+    return engine.batch_runner
+
+
+def batch_answers(engine: Engine, method: str) -> list[tuple[list[int], list[int]]]:
+    # Six requests through three slots: they join and leave mid-run, and the batch ends down to one sequence.
+    results = engine.generate_batch(PROMPTS * 2, max_new_tokens=40, method=method)
+    return [(r.token_ids, r.generation.accept_lengths) for r in results]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("method", ["ar", "tr", "hybrid"])
+def test_static_batched_steps_are_bitwise_the_eager_batch(folder, dtype, method):
+    """Each request's tokens and accept lengths agree with the eager batch's step by step (every logit's bits), with
+    the adaptive trees priced flat (then they depend on the matrix alone, not on the clock)."""
+    eager, static = (Engine.from_pretrained(str(folder), dtype=dtype, max_context=256, max_batch=3) for _ in "ab")
+    for engine in (eager, static):
+        engine.use_cost(CostModel.flat(40))
+    runner = batch_rehearsal(static)
+    assert batch_answers(static, method) == batch_answers(eager, method)
+    assert runner.counts["graph"] > 0 and not runner.failures
+
+
+def test_batched_module_path_through_the_rows_op(folder):
+    """A model the layers' op does not take (float64: the module path) attends through tree_attention_rows: the
+    same tokens as the eager batch, sequence by sequence."""
+    model = load_model(folder, torch.float64)
+    model.set_max_positions(256)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (20, 9, 33, 14)]
+
+    def run(graphs: bool):
+        cache = BatchKVCache(model.config, 2, 256, torch.float64, "cpu", scratch=graphs)
+        runner = BatchGraphs(model, cache, (1, 96, 192), capture=False) if graphs else model
+        drafter = TokenRecycling(RecyclingMatrix(320, 8), load_tree("2.2.2"))
+        out = {i: [] for i in range(len(prompts))}
+        for event in batch_steps(runner, cache, [Request(i, p, 24) for i, p in enumerate(prompts)], drafter, (),
+                                 model.ops):
+            out[event.request] += event.tokens
+        return out, runner
+
+    got, runner = run(graphs=True)
+    assert got == run(graphs=False)[0]
+    assert runner.counts["graph"] > 0
+
+
+def test_batch_padding_rows_write_only_the_scratch_slot(folder):
+    """Two sequences' verify in a 16-row bucket: their logits are the eager forward's bit for bit, their slots hold
+    the same K/V after it, and the padding rows wrote nowhere but the scratch slot."""
+    model = load_model(folder, torch.bfloat16)
+    model.set_max_positions(128)
+    cache = BatchKVCache(model.config, 3, 128, torch.bfloat16, "cpu", scratch=True)
+    assert (cache.slots, cache.scratch, cache.capacity, cache.free()) == (3, 3, 128, 3)  # the scratch is never taken
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (80,), generator=g)
+    for slot, n in ((0, 30), (2, 17)):
+        model(ids[:n], torch.arange(n), cache.view(slot).data, 0)
+    masks = [sample_tree_mask(5), sample_tree_mask(4)]
+    batch = RaggedBatch(slots=[2, 0], prefix_lens=[17, 30], offsets=[0, 5, 9],
+                        tree_masks=torch.cat([m.reshape(-1) for m in masks]),
+                        seq=torch.tensor([2] * 5 + [0] * 4), pos=torch.tensor([17, 18, 19, 20, 21, 30, 31, 32, 33]))
+    tokens = ids[40:49]
+    positions = torch.cat([17 + masks[0].sum(dim=1) - 1, 30 + masks[1].sum(dim=1) - 1])  # prefix + depth
+    before = cache.data.clone()
+    want = model(tokens, positions, cache.data, 0, batch=batch)
+    eager_cache = cache.data.clone()
+    cache.data.copy_(before)
+    runner = BatchGraphs(model, cache, (16,), capture=False)
+    got = runner(tokens, positions, cache.data, 0, batch=batch)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert torch.equal(cache.data[:3], eager_cache[:3])  # the sequences' slots (and the unused one) as eager left them
+    assert not torch.equal(cache.data[3], before[3])  # the padding's K/V went to the scratch slot
+    assert runner.counts == {"graph": 1, "eager": 0}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_batch_graphs_give_the_eager_batch(folder, dtype):
+    """Captured batch graphs against the same static-buffer steps uncaptured (the same kernels): each method's tokens
+    and accept lengths agree request by request, every bucket is captured once, and the steps replay graphs."""
+    graphed, eager = (Engine.from_pretrained(str(folder), device="cuda", dtype=dtype, max_context=256, max_batch=3,
+                                             cuda_graphs=graphs) for graphs in (True, False))
+    batch_rehearsal(eager)
+    for engine in (graphed, eager):
+        engine.use_cost(CostModel.flat(40))
+    for method in ("ar", "tr", "hybrid"):
+        assert batch_answers(graphed, method) == batch_answers(eager, method), method
+    runner = graphed.batch_runner
+    assert isinstance(runner, BatchGraphs) and not runner.failures
+    assert runner.counts["graph"] > runner.counts["eager"]  # the steps replay graphs; prefills run eagerly

@@ -48,6 +48,7 @@ VALID = {
     "tree_attention": tree_args,
     "tree_attention_dynamic": lambda d: tree_args(d, dynamic=True),
     "tree_attention_batch": lambda d: batch_args(d),
+    "tree_attention_rows": lambda d: rows_args(d),
     "decoder_layers": lambda d: layer_args(d),
     "argmax_rows": lambda d: [torch.randn(3, 50, generator=torch.Generator().manual_seed(5)).to(d)],
 }
@@ -60,6 +61,19 @@ def batch_args(device):
     masks = torch.cat([torch.ones(3, 3, dtype=torch.bool).tril().reshape(-1),
                        torch.eye(2, dtype=torch.bool).reshape(-1)])
     return [q, k, v, [2, 0], [5, 0], [0, 3, 5], masks.to(device), 0.35]
+
+
+def rows_args(device):
+    """batch_args' two sequences as tree_attention_rows takes them: each row's slot, prefix and first row, and one
+    [T, T] mask over the batch's rows."""
+    q, k, v, slots, prefixes, offsets, masks, scale = batch_args(device)
+    rows, mask, at = torch.empty(5, 3, dtype=torch.long), torch.zeros(5, 5, dtype=torch.bool), 0
+    for slot, prefix, lo, hi in zip(slots, prefixes, offsets, offsets[1:]):
+        n = hi - lo
+        rows[lo:hi] = torch.tensor([slot, prefix, lo])
+        mask[lo:hi, lo:hi] = masks[at : at + n * n].view(n, n).cpu()
+        at += n * n
+    return [q, k, v, rows.to(device), mask.to(device), scale]
 
 
 def layer_args(device, L=2, E=32, Hq=4, Hkv=2, D=8, F=24, dtype=torch.float32):
@@ -130,13 +144,14 @@ def threaded_args(name, dtype):
         args = layer_args("cpu", E=64, Hq=8, Hkv=4, F=96, dtype=dtype)
         args[1] = [w.to(dtype) for w in args[1]]
     else:
-        args = {"tree_attention": tree_args, "tree_attention_batch": batch_args}[name]("cpu")
+        attention = {"tree_attention": tree_args, "tree_attention_batch": batch_args, "tree_attention_rows": rows_args}
+        args = attention[name]("cpu")
     return [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["packed_linear", "skinny_linear", "tree_attention", "tree_attention_batch",
-                                  "decoder_layers", "argmax_rows"])
+                                  "tree_attention_rows", "decoder_layers", "argmax_rows"])
 def test_the_thread_count_splits_the_work_never_a_sum(name, dtype, cpu_tier):
     """Threads share out whole outputs (a weight's blocks, attention's heads and rows), each computed by one thread
     in one order: 1, 2 and 3 threads give the same bits, so `--threads` (or a test worker's one thread) changes no
@@ -207,6 +222,13 @@ REFUSED = [
     ("tree_attention_batch", "tree_attention_batch: offsets must not decrease", replace(5, lambda a, d: [0, 6, 5])),
     ("tree_attention_batch", "tree_attention_batch: tree_masks must be bool [", replace(6, lambda a, d: a[6][:-1])),
     ("tree_attention_batch", "tree_attention: prefix_len ", replace(4, lambda a, d: [14, 0])),
+    ("tree_attention_rows", "tree_attention_rows: k and v must be [N, Hkv, S, D] with N >= 1, got ",
+     replace(1, lambda a, d: a[1][0])),
+    ("tree_attention_rows", "tree_attention_rows: q must be [T, Hq, D], got ", replace(0, lambda a, d: a[0][0])),
+    ("tree_attention_rows", "tree_attention_rows: rows must be int64 [T, 3] = [", replace(3, lambda a, d: a[3][:, :2])),
+    ("tree_attention_rows", "tree_attention_rows: k and v must have the same strides",
+     replace(2, lambda a, d: a[2].transpose(0, 1).contiguous().transpose(0, 1))),
+    ("tree_attention_rows", "tree_attention: tree_mask must be bool [T, T] = [", replace(4, lambda a, d: a[4][:4])),
     ("decoder_layers", "decoder_layers: x must be [T, E], got ", replace(0, lambda a, d: a[0][0])),
     ("decoder_layers", "decoder_layers: x is ", replace(0, lambda a, d: a[0].double())),
     ("decoder_layers", "decoder_layers: kv must be [L, N, 2, Hkv, S, D] with a contiguous last dim, got ",
@@ -234,6 +256,7 @@ CROSS_DEVICE = [
     ("skinny_linear", "skinny_linear: x and w must be on one device", 1),
     ("tree_attention", "tree_attention: q, k, v and tree_mask must be on one device", 4),
     ("tree_attention_dynamic", "tree_attention_dynamic: prefix_len must be on ", 3),
+    ("tree_attention_rows", "tree_attention_rows: rows must be on ", 3),
 ]
 
 

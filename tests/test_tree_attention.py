@@ -234,6 +234,78 @@ def test_cuda_dynamic_prefix_replays_in_a_graph(dtype):
     assert torch.equal(out, kernels.tree_attention(q, k, v, S - T, mask, 0.125))
 
 
+# tree_attention_rows: a batch's places in tensors, so that one captured CUDA graph serves any mix of sequences.
+
+
+def rows_operands(dtype, seed=0):
+    """Three sequences in a 4-slot cache (slots 2, 0, 3 after 40, 0 and 7 cached tokens, trees of 5, 1 and 4 rows),
+    then 3 padding rows at the start of slot 0 (read by a sequence too: two sequences may read one slot); as
+    tree_attention_batch's arguments and as tree_attention_rows' (rows [T, 3], one [T, T] mask)."""
+    g = torch.Generator().manual_seed(seed)
+    T, S = 13, 64
+    q = torch.randn(T, 9 + 6, 64, generator=g).to(dtype)[:, :9]  # (strided, as the model's)
+    kv = torch.randn(2, 4, 3, S, 64, generator=g).to(dtype)
+    slots, prefixes, offsets = [2, 0, 3, 0], [40, 0, 7, 20], [0, 5, 6, 10, 13]
+    blocks = [random_tree_mask(5, g), torch.ones(1, 1, dtype=torch.bool), random_tree_mask(4, g),
+              torch.eye(3, dtype=torch.bool)]
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    rows = torch.empty(T, 3, dtype=torch.long)
+    for slot, prefix, lo, hi, block in zip(slots, prefixes, offsets, offsets[1:], blocks):
+        mask[lo:hi, lo:hi] = block
+        rows[lo:hi] = torch.tensor([slot, prefix, lo])
+    flat = torch.cat([b.reshape(-1) for b in blocks])
+    return q, kv[0], kv[1], (slots, prefixes, offsets, flat), rows, mask
+
+
+@pytest.mark.parametrize("ops", [kernels, reference], ids=["kernels", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_form_is_bitwise_the_batch_form(ops, dtype):
+    """Each sequence's rows are bit for bit tree_attention's on its own slot (tree_attention_batch's contract; that op
+    refuses two sequences in one slot, so each is compared with its own call)."""
+    q, k, v, ragged, rows, mask = rows_operands(dtype)
+    slots, prefixes, offsets, _ = ragged
+    got = ops.tree_attention_rows(q, k, v, rows, mask, 0.125)
+    for slot, prefix, lo, hi in zip(slots, prefixes, offsets, offsets[1:]):
+        one = ops.tree_attention(q[lo:hi], k[slot], v[slot], prefix, mask[lo:hi, lo:hi], 0.125)
+        assert torch.equal(got[lo:hi], one), (slot, prefix)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [(lambda r, m: r.index_put_((torch.tensor([1]), torch.tensor([2])), torch.tensor(2)), "names row 2 as its first"),
+     (lambda r, m: r.__setitem__((slice(0, 5), 0), 4), "outside the cache's 4 slots"),
+     (lambda r, m: r.__setitem__((4, 1), 41), "names another slot or prefix"),
+     (lambda r, m: r.__setitem__((slice(0, 5), 1), 60), r"needs 60 \+ 5 positions but the cache holds 64"),
+     (lambda r, m: m.__setitem__((7, 2), True), "row 7 sees row 2 of another sequence")],
+    ids=["first", "slot", "shared", "room", "crossing"])
+def test_rows_form_errors(change, message):
+    q, k, v, _, rows, mask = rows_operands(torch.float32)
+    change(rows, mask)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.tree_attention_rows(q, k, v, rows, mask, 0.125)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_rows_form_replays_in_a_graph(dtype):
+    """One graph captured with one batch's places gives, replayed with another's (other prefixes, slots and trees),
+    what the one-sequence op gives for each sequence there."""
+    q, k, v, ragged, rows, mask = (x.cuda() if isinstance(x, torch.Tensor) else x for x in rows_operands(dtype))
+    out = kernels.tree_attention_rows(q, k, v, rows, mask, 0.125)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.tree_attention_rows(q, k, v, rows, mask, 0.125)
+    _, _, _, (slots, prefixes, offsets, _), other_rows, other_mask = rows_operands(dtype, seed=1)
+    other_rows[:5, :2] = torch.tensor([1, 51])  # the first sequence moves to slot 1, after 51 tokens
+    rows.copy_(other_rows)
+    mask.copy_(other_mask)
+    graph.replay()
+    slots[0], prefixes[0] = 1, 51
+    for slot, prefix, lo, hi in zip(slots, prefixes, offsets, offsets[1:]):
+        one = kernels.tree_attention(q[lo:hi], k[slot], v[slot], prefix, mask[lo:hi, lo:hi], 0.125)
+        assert torch.equal(out[lo:hi], one), (slot, prefix)
+
+
 def test_one_op_swapped_for_its_reference_by_spec():
     """--ops kernels,tree_attention=reference: that op is the reference's, every other one the kernel's."""
     from tr_engine.errors import UserError

@@ -25,7 +25,7 @@ from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserErr
 from tr_engine.model import cpu, parallel
 from tr_engine.model.device import check_cuda_graphs, check_device
 from tr_engine.model.folders import home, resolve_model
-from tr_engine.model.graphs import StepGraphs, graph_buckets
+from tr_engine.model.graphs import BatchGraphs, StepGraphs, graph_buckets
 from tr_engine.model.kv_cache import BatchKVCache, KVCache, shared_prefix
 from tr_engine.model.llama import Llama
 from tr_engine.model.ops import resolve_ops
@@ -78,6 +78,7 @@ class Engine:
         self.max_batch = checks.integer(max_batch, "--batch", 1)
         self.batch_context = min(batch_context or DEFAULT_BATCH_CONTEXT, max_context)
         self._batch_cache: BatchKVCache | None = None
+        self.batch_runner = model  # what a batch's forwards run through: the model, or its CUDA graphs (batch_cache)
 
     @property
     def cpu_tier(self) -> str | None:
@@ -320,7 +321,8 @@ class Engine:
             decoders[i] = StreamDecoder(self.tokenizer, ids)
         eos = self.tokenizer.eos_ids
         prompt_of = {r.id: r.prompt_ids for r in requests}
-        for event in batch_steps(self.model, self.batch_cache(), requests, drafter, eos, self.ops, batch_size):
+        cache = self.batch_cache()
+        for event in batch_steps(self.batch_runner, cache, requests, drafter, eos, self.ops, batch_size):
             i = event.request
             if event.error is not None:
                 results[i] = failed(f"prompt {i}: {event.error}")
@@ -350,10 +352,16 @@ class Engine:
         return drafter
 
     def batch_cache(self) -> BatchKVCache:
-        """The batch's caches (max_batch slots of batch_context tokens), allocated at the first batch."""
+        """The batch's caches (max_batch slots of batch_context tokens), allocated at the first batch, with the
+        runner of its forwards (batch_runner)."""
         if self._batch_cache is None:
             m = self.model
-            self._batch_cache = BatchKVCache(m.local_config, self.max_batch, self.batch_context, m.dtype, m.device)
+            self._batch_cache = BatchKVCache(m.local_config, self.max_batch, self.batch_context, m.dtype, m.device,
+                                             scratch=self.cuda_graphs)
+            self.batch_runner = m
+            if self.cuda_graphs:  # the batch's steps replay CUDA graphs too (a scratch slot takes their padding)
+                self.batch_runner = BatchGraphs(m, self._batch_cache, graph_buckets(BUCKETS, self.tree.size,
+                                                                                    self.batch_context))
         return self._batch_cache
 
     def decode_steps(self, ids: list[int], max_new_tokens: int, method: str | None = None,

@@ -9,7 +9,9 @@
 #include "../op_checks.h"
 #include "tiers.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -64,6 +66,48 @@ at::Tensor tree_attention_batch_cpu(const at::Tensor& q, const at::Tensor& k, co
   return out;
 }
 
+// The rows' places read and checked on the host, grouped into their sequences, and attended as tree_attention_batch
+// does (the same kernel: the same bits).
+at::Tensor tree_attention_rows_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& rows, const at::Tensor& tree_mask, double scale) {
+  tr_engine::check_tree_attention_rows_args(q, k, v, rows, tree_mask);
+  const auto r = rows.contiguous();
+  const auto m = tree_mask.contiguous();
+  const int64_t T = q.size(0), N = k.size(0), S = k.size(2);
+  const int64_t* place = r.data_ptr<int64_t>();
+  const bool* sees = m.data_ptr<bool>();
+  std::vector<int64_t> slots, prefix_lens, offsets{0};
+  std::vector<bool> blocks;  // each sequence's T_b x T_b block of the mask, in turn
+  for (int64_t t = 0; t < T;) {
+    const int64_t slot = place[3 * t], prefix = place[3 * t + 1];
+    TORCH_CHECK(place[3 * t + 2] == t, "tree_attention_rows: row ", t, " starts a sequence but names row ",
+                place[3 * t + 2], " as its first (a sequence's rows are consecutive)");
+    TORCH_CHECK(slot >= 0 && slot < N, "tree_attention_rows: row ", t, "'s slot ", slot, " is outside the cache's ",
+                N, " slots");
+    int64_t end = t + 1;
+    for (; end < T && place[3 * end + 2] == t; ++end)
+      TORCH_CHECK(place[3 * end] == slot && place[3 * end + 1] == prefix, "tree_attention_rows: row ", end,
+                  " of the sequence from row ", t, " names another slot or prefix");
+    TORCH_CHECK(prefix >= 0 && prefix + (end - t) <= S, "tree_attention_rows: the sequence from row ", t, " needs ",
+                prefix, " + ", end - t, " positions but the cache holds ", S);
+    for (int64_t i = t; i < end; ++i)
+      for (int64_t j = 0; j < T; ++j) {
+        TORCH_CHECK(!sees[i * T + j] || (j >= t && j < end), "tree_attention_rows: row ", i, " sees row ", j,
+                    " of another sequence");
+        if (j >= t && j < end) blocks.push_back(sees[i * T + j]);
+      }
+    slots.push_back(slot);
+    prefix_lens.push_back(prefix);
+    offsets.push_back(end);
+    t = end;
+  }
+  auto masks = at::empty({static_cast<int64_t>(blocks.size())}, m.options());
+  std::copy(blocks.begin(), blocks.end(), masks.data_ptr<bool>());
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  attend(q, k, v, k.size(1), k.stride(0), k.stride(1), k.stride(2), slots, prefix_lens, offsets, masks, scale, out);
+  return out;
+}
+
 // On a CPU the prefix length is simply read: nothing is captured here, so there is nothing to gain by not reading it.
 at::Tensor tree_attention_dynamic_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& prefix_len, const at::Tensor& tree_mask, double scale) {
@@ -77,4 +121,5 @@ TORCH_LIBRARY_IMPL(tr_engine, CPU, m) {
   m.impl("tree_attention", &tree_attention_cpu);
   m.impl("tree_attention_dynamic", &tree_attention_dynamic_cpu);
   m.impl("tree_attention_batch", &tree_attention_batch_cpu);
+  m.impl("tree_attention_rows", &tree_attention_rows_cpu);
 }

@@ -18,11 +18,13 @@ namespace tr_engine {
 cudaError_t launch_compact_kv(void* cache, const int64_t* src_slots, void* scratch, int64_t rows, int64_t n, int64_t S,
                               int64_t slot_bytes, int64_t dst_start, cudaStream_t stream);
 
-// The prefix length is P, or *prefix_dev (read on the device, clamped to 0..S-T) when prefix_dev is not null.
+// The prefix length is P, or *prefix_dev (read on the device, clamped to 0..S-T) when prefix_dev is not null. With
+// `rows` (int64 [T, 3] on the device: slot, prefix length, first row of its sequence), k and v are N slots kv_stride_n
+// elements apart and each row reads its own (tree_attention_rows); else k and v are one slot.
 cudaError_t launch_tree_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
                                   const void* v, int64_t kv_stride_h, int64_t kv_stride_s, const bool* mask, int T,
-                                  int Hq, int Hkv, int D, int P, const int64_t* prefix_dev, int S, float scale,
-                                  void* out, cudaStream_t stream);
+                                  int Hq, int Hkv, int D, int P, const int64_t* prefix_dev, const int64_t* rows,
+                                  int64_t kv_stride_n, int N, int S, float scale, void* out, cudaStream_t stream);
 int tree_attention_max_head_dim();
 
 // table [V, k] <- the top-k ids of each logits row [n_rows, V] at its token's row; a token outside [0, V) is skipped.

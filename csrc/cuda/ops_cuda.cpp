@@ -41,11 +41,13 @@ void compact_kv_cuda_(at::Tensor& cache, const at::Tensor& src_slots, int64_t ds
   check_launch(err, "compact_kv_");
 }
 
-// The launch shared by tree_attention (prefix_dev null: prefix_len is the int) and tree_attention_dynamic, after
-// their checks.
+// The launch shared by tree_attention (prefix_dev null: prefix_len is the int), tree_attention_dynamic and
+// tree_attention_rows (k, v [N, Hkv, S, D] and each row's place in `rows`), after their checks.
 at::Tensor tree_attention_launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t prefix_len,
-                                 const int64_t* prefix_dev, const at::Tensor& tree_mask, double scale, const char* op) {
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
+                                 const int64_t* prefix_dev, const at::Tensor& tree_mask, double scale, const char* op,
+                                 const int64_t* rows = nullptr) {
+  const bool batched = rows != nullptr;
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(batched), S = k.size(batched + 1);
   TORCH_CHECK(D <= tr_engine::tree_attention_max_head_dim(), op, ": head dim ", D, " exceeds the CUDA kernel's ",
               tr_engine::tree_attention_max_head_dim());
   // A row that sees no key (prefix_len 0 and an all-False mask row) is not detected on the device (that would need a
@@ -55,9 +57,11 @@ at::Tensor tree_attention_launch(const at::Tensor& q, const at::Tensor& k, const
   auto out = at::empty({T, Hq, D}, q.options());
   const auto mask = tree_mask.contiguous();
   check_launch(tr_engine::launch_tree_attention(code, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(),
-                                                v.data_ptr(), k.stride(0), k.stride(1), mask.data_ptr<bool>(), T, Hq,
-                                                Hkv, D, prefix_len, prefix_dev, S, static_cast<float>(scale),
-                                                out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+                                                v.data_ptr(), k.stride(batched), k.stride(batched + 1),
+                                                mask.data_ptr<bool>(), T, Hq, Hkv, D, prefix_len, prefix_dev, rows,
+                                                batched ? k.stride(0) : 0, batched ? k.size(0) : 1, S,
+                                                static_cast<float>(scale), out.data_ptr(),
+                                                c10::cuda::getCurrentCUDAStream()),
                op);
   return out;
 }
@@ -96,6 +100,14 @@ at::Tensor tree_attention_batch_cuda(const at::Tensor& q, const at::Tensor& k, c
   return out;
 }
 
+// Every row's slot, prefix and sequence read on the device: one launch a CUDA graph replays with any batch.
+at::Tensor tree_attention_rows_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& rows, const at::Tensor& tree_mask, double scale) {
+  tr_engine::check_tree_attention_rows_args(q, k, v, rows, tree_mask);
+  const auto r = rows.contiguous();
+  return tree_attention_launch(q, k, v, 0, nullptr, tree_mask, scale, "tree_attention_rows", r.data_ptr<int64_t>());
+}
+
 void recycle_update_cuda_(at::Tensor& table, const at::Tensor& tokens, const at::Tensor& logits) {
   tr_engine::check_recycle_update_args(table, tokens, logits);
   TORCH_CHECK(table.size(1) <= tr_engine::recycle_update_max_k(), "recycle_update_: k = ", table.size(1),
@@ -131,6 +143,7 @@ TORCH_LIBRARY_IMPL(tr_engine, CUDA, m) {
   m.impl("tree_attention", &tree_attention_cuda);
   m.impl("tree_attention_dynamic", &tree_attention_dynamic_cuda);
   m.impl("tree_attention_batch", &tree_attention_batch_cuda);
+  m.impl("tree_attention_rows", &tree_attention_rows_cuda);
   m.impl("recycle_update_", &recycle_update_cuda_);
   m.impl("skinny_linear", &skinny_linear_cuda);
 }

@@ -6,6 +6,8 @@
 // max and sum (online softmax), and each thread accumulates its own output dimensions. Correct and simple; the
 // tensor-core version belongs with the GPU issue, measured on a GPU. The launch depends on T, the heads and D only,
 // never on the prefix length, which tree_attention_dynamic passes by pointer: a CUDA graph replays it at any prefix.
+// tree_attention_rows passes each row's slot, prefix and first row by pointer too (`rows`), so a graph of a batched
+// step replays with any sequences in it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -47,13 +49,25 @@ __device__ float block_reduce(float v, float* scratch) {
 template <typename T>
 __global__ void tree_attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k, const T* v,
                                       int64_t kv_stride_h, int64_t kv_stride_s, const bool* mask, int T_, int Hq,
-                                      int Hkv, int D, int P, const int64_t* prefix_dev, int S, float scale, T* out) {
+                                      int Hkv, int D, int P, const int64_t* prefix_dev, const int64_t* rows,
+                                      int64_t kv_stride_n, int N, int S, float scale, T* out) {
   const int t = blockIdx.x, hq = blockIdx.y, h = hq / (Hq / Hkv), tid = threadIdx.x;
   // tree_attention_dynamic: the prefix length is read here (a captured graph replays at any prefix), clamped so that
   // no read leaves the cache.
   if (prefix_dev != nullptr) {
     const int64_t p = *prefix_dev, top = S - T_;
     P = static_cast<int>(p < 0 ? 0 : (p > top ? top : p));
+  }
+  // tree_attention_rows: this row's slot, prefix length and first row of its sequence, read here; tree slot i of the
+  // batch is cache position P + i - first. Clamped into the cache (the CPU kernel checks them; here that would sync).
+  int first = 0;
+  if (rows != nullptr) {
+    const int64_t slot = rows[3 * t], p = rows[3 * t + 1];
+    const int64_t s = slot < 0 ? 0 : (slot >= N ? N - 1 : slot);
+    k += s * kv_stride_n;
+    v += s * kv_stride_n;
+    P = static_cast<int>(p < 0 ? 0 : (p >= S ? S - 1 : p));
+    first = static_cast<int>(rows[3 * t + 2]);
   }
   extern __shared__ float smem[];
   float* qs = smem;                                         // [D] scaled query
@@ -67,7 +81,10 @@ __global__ void tree_attention_kernel(const T* q, int64_t q_stride_t, int64_t q_
   if (tid == 0) {
     int n = 0;
     for (int i = 0; i < T_; ++i)
-      if (mask[t * T_ + i]) ancestors[n++] = P + i;
+      if (mask[t * T_ + i]) {
+        const int pos = P + i - first;
+        ancestors[n++] = pos < 0 ? 0 : (pos >= S ? S - 1 : pos);
+      }
     n_ancestors = n;
   }
   __syncthreads();
@@ -113,12 +130,14 @@ __global__ void tree_attention_kernel(const T* q, int64_t q_stride_t, int64_t q_
 template <typename T>
 cudaError_t launch(const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k, const void* v,
                    int64_t kv_stride_h, int64_t kv_stride_s, const bool* mask, int T_, int Hq, int Hkv, int D, int P,
-                   const int64_t* prefix_dev, int S, float scale, void* out, cudaStream_t stream) {
+                   const int64_t* prefix_dev, const int64_t* rows, int64_t kv_stride_n, int N, int S, float scale,
+                   void* out, cudaStream_t stream) {
   const dim3 grid(T_, Hq);
   const size_t shared = (D + kThreads) * sizeof(float) + (kThreads + T_) * sizeof(int);
   tree_attention_kernel<T><<<grid, kThreads, shared, stream>>>(
       static_cast<const T*>(q), q_stride_t, q_stride_h, static_cast<const T*>(k), static_cast<const T*>(v),
-      kv_stride_h, kv_stride_s, mask, T_, Hq, Hkv, D, P, prefix_dev, S, scale, static_cast<T*>(out));
+      kv_stride_h, kv_stride_s, mask, T_, Hq, Hkv, D, P, prefix_dev, rows, kv_stride_n, N, S, scale,
+      static_cast<T*>(out));
   return cudaGetLastError();
 }
 
@@ -128,13 +147,13 @@ int tr_engine::tree_attention_max_head_dim() { return kThreads * kMaxDimsPerThre
 
 cudaError_t tr_engine::launch_tree_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
                                   const void* v, int64_t kv_stride_h, int64_t kv_stride_s, const bool* mask, int T,
-                                  int Hq, int Hkv, int D, int P, const int64_t* prefix_dev, int S, float scale,
-                                  void* out, cudaStream_t stream) {
+                                  int Hq, int Hkv, int D, int P, const int64_t* prefix_dev, const int64_t* rows,
+                                  int64_t kv_stride_n, int N, int S, float scale, void* out, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   auto run = [&](auto type_tag) {
     using T_ = decltype(type_tag);
-    return launch<T_>(q, q_stride_t, q_stride_h, k, v, kv_stride_h, kv_stride_s, mask, T, Hq, Hkv, D, P, prefix_dev, S,
-                      scale, out, stream);
+    return launch<T_>(q, q_stride_t, q_stride_h, k, v, kv_stride_h, kv_stride_s, mask, T, Hq, Hkv, D, P, prefix_dev,
+                      rows, kv_stride_n, N, S, scale, out, stream);
   };
   switch (dtype) {
     case 0: return run(float{});

@@ -50,10 +50,13 @@ class BatchKVCache:
     picks the free slot that shares the longest prefix with `ids`, or else the least recently used one (LRU: the
     conversations most recently served stay longest)."""
 
-    def __init__(self, config: LlamaConfig, slots: int, capacity: int, dtype: torch.dtype, device):
-        shape = (slots, config.num_hidden_layers, 2, config.num_key_value_heads, capacity, config.head_dim)
+    def __init__(self, config: LlamaConfig, slots: int, capacity: int, dtype: torch.dtype, device,
+                 scratch: bool = False):
+        """`scratch`: one more slot, never taken, where a padded step's padding rows write (BatchGraphs)."""
+        shape = (slots + scratch, config.num_hidden_layers, 2, config.num_key_value_heads, capacity, config.head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.views = [KVCache.over(self.data[b]) for b in range(slots)]
+        self.scratch = slots if scratch else None
         self._free = list(range(slots))
         self.held: list[list[int]] = [[] for _ in range(slots)]  # a free slot's tokens (its K/V at 0..len-1)
         self._used = [0] * slots  # when each slot was last given back (a count): LRU's order
@@ -61,7 +64,11 @@ class BatchKVCache:
 
     @property
     def slots(self) -> int:
-        return self.data.shape[0]
+        return len(self.views)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[4]
 
     def view(self, slot: int) -> KVCache:
         return self.views[slot]

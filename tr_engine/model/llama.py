@@ -28,6 +28,7 @@ from tr_engine.model.config import LlamaConfig, rope_inv_freq
 from tr_engine.model.functional import apply_rope, rms_norm
 from tr_engine.model.ops import is_compiled, resolve_ops
 from tr_engine.model.parallel import ALONE, Shard, local_config
+from tr_engine.model.reference import rows_to_ragged
 
 
 def fuse_linears_(*linears: nn.Linear) -> torch.Tensor:
@@ -77,7 +78,7 @@ class AttentionMask:
     folded: torch.Tensor | None = None
     causal: bool = False
     slots: torch.Tensor | None = None
-    batch: "RaggedBatch | None" = None  # a batched forward: each sequence's rows in its own cache slot
+    batch: "RaggedBatch | RowBatch | None" = None  # a batched forward: each sequence's rows in its own cache slot
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,25 @@ class RaggedBatch:
     tree_masks: torch.Tensor
     seq: torch.Tensor | None  # (the module path's cache write; ops.decoder_layers derives them from the lists)
     pos: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """A batched forward's rows with every place in a tensor of a fixed shape, so that nothing on the host depends on
+    which sequences ride in it: the form a CUDA graph of a batched step replays (tr_engine/model/graphs.py,
+    BatchGraphs). seq, pos int64 [T]: each row's slot and the cache position its K/V go to; rows int64 [T, 3] and
+    tree_mask bool [T, T]: as the ops' tree_attention_rows takes them (each row's slot, its sequence's prefix length
+    and first row; which rows each row sees)."""
+
+    seq: torch.Tensor
+    pos: torch.Tensor
+    rows: torch.Tensor
+    tree_mask: torch.Tensor
+
+    def ragged(self) -> RaggedBatch:
+        """The same rows as a RaggedBatch, read on the host (a CPU step: ops.decoder_layers takes lists)."""
+        slots, prefix_lens, offsets, masks = rows_to_ragged(self.rows.tolist(), self.tree_mask)
+        return RaggedBatch(slots, prefix_lens, offsets, masks, self.seq, self.pos)
 
 
 class Attention(nn.Module):
@@ -129,8 +149,11 @@ class Attention(nn.Module):
             b = mask.batch
             kv[b.seq, 0, :, b.pos] = qk[:, Hq:]
             kv[b.seq, 1, :, b.pos] = qkv[:, Hq + Hkv :]
-            o = ops.tree_attention_batch(qk[:, :Hq], kv[:, 0], kv[:, 1], b.slots, b.prefix_lens, b.offsets,
-                                         b.tree_masks, D**-0.5)  # [T, Hq, D]
+            if isinstance(b, RowBatch):  # (a replayable step: the places are read on the device)
+                o = ops.tree_attention_rows(qk[:, :Hq], kv[:, 0], kv[:, 1], b.rows, b.tree_mask, D**-0.5)
+            else:
+                o = ops.tree_attention_batch(qk[:, :Hq], kv[:, 0], kv[:, 1], b.slots, b.prefix_lens, b.offsets,
+                                             b.tree_masks, D**-0.5)  # [T, Hq, D]
             return self.out(o.reshape(T, Hq * D), ops)
         if mask.slots is not None:  # the prefix length lives on the device: a step a CUDA graph replays anywhere
             kv[0].index_copy_(1, mask.slots, k_new)
@@ -283,7 +306,7 @@ class Llama(nn.Module):
         if not self.fused_layers:
             return None
         if mask.batch is not None:
-            return mask.batch
+            return mask.batch.ragged() if isinstance(mask.batch, RowBatch) else mask.batch
         if mask.tree is None:
             return None
         # (A prefix length in a tensor is a step that tr_engine/model/graphs.py replays; on a CPU, where packed models
@@ -301,7 +324,7 @@ class Llama(nn.Module):
         start: int | torch.Tensor,
         tree_mask: torch.Tensor | None = None,
         last_logits_only: bool = False,
-        batch: RaggedBatch | None = None,
+        batch: RaggedBatch | RowBatch | None = None,
         gather: bool = True,
     ) -> torch.Tensor:
         """Run T new tokens against the P = `start` tokens already in the cache and return their logits.
@@ -316,7 +339,8 @@ class Llama(nn.Module):
         then nothing in the forward depends on the prefix length on the host, and a CUDA graph of it replays at every
         prefix (tr_engine/model/graphs.py). The caller keeps start + T within the cache.
         With `batch` (a RaggedBatch), the rows are several sequences' in one forward: kv_cache is a BatchKVCache's
-        [N, L, 2, Hkv, S, D], each sequence's rows attend to their own slot (tree_attention_batch), `start` is unused.
+        [N, L, 2, Hkv, S, D], each sequence's rows attend to their own slot (tree_attention_batch), `start` is unused;
+        a RowBatch is the same with every place in a tensor (a replayable batched step, tree_attention_rows).
         Returns logits [T, V] in float32 (float64 for a float64 model), or [1, V] for the last token when
         `last_logits_only`; under tensor parallelism with `gather=False`, this rank's columns [T, V_r] of them (ids
         self.vocab[0]..).

@@ -18,7 +18,7 @@ from tr_engine.errors import InvalidType, UserError
 from tr_engine.model import cpu, reference
 
 OP_NAMES = ("compact_kv_", "skinny_linear", "pack_linear", "packed_linear", "recycle_update_", "tree_attention",
-            "tree_attention_dynamic", "tree_attention_batch", "decoder_layers", "argmax_rows")
+            "tree_attention_dynamic", "tree_attention_batch", "tree_attention_rows", "decoder_layers", "argmax_rows")
 KINDS = ("kernels", "reference")
 # On a CPU, float32, bfloat16 and float16 models keep their projections packed (pack_linear, at load time) and
 # multiply with packed_linear at every row count: each 32-row block of a weight is read once and applied to up to 12
@@ -172,6 +172,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("tr_engine::tree_attention_batch")
     def _(q, k, v, slots, prefix_lens, offsets, tree_masks, scale):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("tr_engine::tree_attention_rows")
+    def _(q, k, v, rows, tree_mask, scale):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("tr_engine::argmax_rows")

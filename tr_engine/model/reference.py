@@ -96,6 +96,32 @@ def tree_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
     return out
 
 
+def tree_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                        tree_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """tree_attention_batch with every row's place in a tensor (what a CUDA graph of a batched step replays with):
+    rows int64 [T, 3] holds row t's slot, its sequence's prefix length and its sequence's first row; tree_mask bool
+    [T, T] over the batch's rows, each row seeing rows of its own sequence only. Reading rows here syncs, so the
+    reference cannot be captured."""
+    ragged = rows_to_ragged(rows.tolist(), tree_mask)
+    return tree_attention_batch(q, k, v, *ragged, scale)
+
+
+def rows_to_ragged(rows: list[list[int]], tree_mask: torch.Tensor) -> tuple[list, list, list, torch.Tensor]:
+    """tree_attention_rows' places as tree_attention_batch's arguments: (slots, prefix_lens, offsets, tree_masks),
+    each sequence a run of rows naming the run's first row."""
+    slots, prefix_lens, offsets, blocks = [], [], [0], []
+    for t, (slot, prefix, first) in enumerate(rows):
+        if first == t:
+            if t:
+                offsets.append(t)
+            slots.append(slot)
+            prefix_lens.append(prefix)
+    offsets.append(len(rows))
+    for lo, hi in zip(offsets, offsets[1:]):
+        blocks.append(tree_mask[lo:hi, lo:hi].reshape(-1))
+    return slots, prefix_lens, offsets, torch.cat(blocks) if blocks else tree_mask.new_zeros(0)
+
+
 def tree_attention_dynamic(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor, tree_mask: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -118,7 +118,8 @@ class Scheduler:
         self._seed_matrix = seeder(drafter, checks.flag(seed_from_prompt, "seed_from_prompt"))
         shard = engine.model.shard  # under --tp every rank runs this loop: rank 0's decisions, followed by all
         source = self if shard.world == 1 else Lockstep(shard, self)
-        self._steps = batch_steps(engine.model, engine.batch_cache(), source, drafter, engine.tokenizer.eos_ids,
+        cache = engine.batch_cache()
+        self._steps = batch_steps(engine.batch_runner, cache, source, drafter, engine.tokenizer.eos_ids,
                                   engine.ops, reuse_prefix=checks.flag(prefix_reuse, "prefix_reuse"))
         self._finished = threading.Event()  # run() returned
         self._started = False
