@@ -46,8 +46,12 @@ def worker() -> None:
             from tr_engine.cost import CostModel
 
         c = config["curve"]
-        key = engine._cost_key() if hasattr(engine, "_cost_key") else engine._cost_location()[0]  # (older checkouts)
-        engine._cost = CostModel(tuple(c["sizes"]), tuple(c["prefixes"]), c["relative"], c["plain_s"], key)
+        if hasattr(engine, "drafting"):
+            engine.use_cost(CostModel(tuple(c["sizes"]), tuple(c["prefixes"]), c["relative"], c["plain_s"],
+                                      engine.drafting.key))
+        else:  # (older checkouts)
+            key = engine._cost_key() if hasattr(engine, "_cost_key") else engine._cost_location()[0]
+            engine._cost = CostModel(tuple(c["sizes"]), tuple(c["prefixes"]), c["relative"], c["plain_s"], key)
     cost = engine.cost_model(recalibrate=not config.get("curve"))
     # the curve this side plans with: two sides' trees differ where their curves do
     print(json.dumps({"ready": True, "curve": {"sizes": list(cost.buckets), "prefixes": list(cost.prefixes),

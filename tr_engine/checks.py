@@ -76,3 +76,11 @@ def _show(value) -> str:
 def seed(value: int | None) -> int | None:
     """A sampling seed, or None (draw one)."""
     return None if value is None else integer(value, "seed", 0, MAX_SEED)
+
+
+def generation(max_new_tokens, seed_value=None, **flags) -> None:
+    """The arguments every generate call takes: at least one new token, a seed (or None), and its flags (bools)."""
+    integer(max_new_tokens, "max_new_tokens", 1)
+    seed(seed_value)
+    for name, value in flags.items():
+        flag(value, name)

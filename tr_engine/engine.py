@@ -12,15 +12,13 @@ from pathlib import Path
 import torch
 
 from tr_engine import checks
-from tr_engine.core.adaptive import AdaptiveTrees
 from tr_engine.core.batch import Request, batch_steps, speculative_steps
-from tr_engine.core.cost import BUCKETS, CostModel, calibrated, cost_key, cost_path
-from tr_engine.core.drafters import DrafterSetup
+from tr_engine.core.cost import BUCKETS, CostModel, cost_key
+from tr_engine.core.drafting import Drafting, seeder
 from tr_engine.core.generation import GenerateResult, Generation, failed, run_to_end
 from tr_engine.core.matrix import RecyclingMatrix
-from tr_engine.core.methods import ADAPTIVE, AR, DEFAULT_METHOD, DRAFTERS, check_method, drafter_class
+from tr_engine.core.methods import ADAPTIVE, AR, DEFAULT_METHOD, check_method
 from tr_engine.core.sampling import GREEDY, Sampler, Sampling, sampling_of
-from tr_engine.core.tree import load_tree
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.model import cpu, parallel
 from tr_engine.model.device import check_cuda_graphs, check_device
@@ -59,21 +57,19 @@ class Engine:
         self.cache = KVCache(model.local_config, max_context, model.dtype, model.device)  # (this rank's KV heads)
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, for reuse across a conversation
         model.set_max_positions(max_context)
-        # Token Recycling's state: one matrix for the engine's lifetime (hot start across calls).
-        self.matrix = RecyclingMatrix(model.config.vocab_size, matrix_k, model.device, self.ops)
-        self.tree_spec, self.matrix_k = tree, matrix_k
-        self.tree = load_tree("2.2.2" if tree == ADAPTIVE else tree, matrix_k)  # the static tree (adaptive: unused)
-        if tree != ADAPTIVE and self.tree.size >= self.cache.capacity:  # near the end a tree is cut to fit; not all
-            raise InvalidValue(f"the draft tree verifies {self.tree.size} tokens a step but the cache holds only "
-                               f"{self.cache.capacity}; use a smaller --tree or raise --max-context")
         # What the decode loops run their forwards through: the model, or on a GPU its CUDA graphs (graphs.py).
         self.cuda_graphs = check_cuda_graphs(cuda_graphs, model.device, self.ops)
+        # Token Recycling's state (one matrix for the engine's lifetime: hot start across calls), its trees, the cost
+        # curve that prices them, and the drafter of each method (tr_engine/core/drafting.py).
+        key = cost_key(folder.name, model.dtype, model.device, self.ops.kind, self.cuda_graphs, model.shard.world,
+                       self.cpu_tier if "kernels" in self.ops.kind else None)
+        self.drafting = Drafting(model, self.cache, key, home(), tree, matrix_k)
+        self.matrix, self.tree, self.tree_spec = self.drafting.matrix, self.drafting.tree, tree
         self.runner = model
         if self.cuda_graphs:
-            self.runner = StepGraphs(model, self.cache, graph_buckets(BUCKETS, self.tree.size, self.cache.capacity))
-        self._cost: CostModel | None = None
+            buckets = graph_buckets(BUCKETS, self.tree.size, self.cache.capacity)
+            self.runner = StepGraphs(model, self.cache, buckets)
         self.on_calibrate = None  # hears the cost curve's measurement: (fraction done, doubt) (cost_model)
-        self.drafters = {}  # method -> the drafter generate/stream use for it, on the engine's matrix (drafter())
         # Batched decoding (generate_batch): up to max_batch sequences a forward, each in a cache of batch_context.
         self.max_batch = checks.integer(max_batch, "--batch", 1)
         self.batch_context = min(batch_context or DEFAULT_BATCH_CONTEXT, max_context)
@@ -91,9 +87,7 @@ class Engine:
     def drafter(self, method: str):
         """The engine's drafter for `method` (a registered drafter's name), made on first use; the drafters of
         methods that keep a recycling matrix share the engine's."""
-        if method not in self.drafters:
-            self.drafters[method] = self.new_drafter(method, matrix=self.matrix)
-        return self.drafters[method]
+        return self.drafting.drafter(method)
 
     def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None,
                     cost: CostModel | None = None, max_tokens: int = BUCKETS[-1]):
@@ -102,22 +96,7 @@ class Engine:
         Pass it to generate/stream as `drafter=` to run several configurations side by side on one model, each with
         its own state (the benchmarks do). An adaptive tree prices its sizes with the engine's measured curve, or
         with `cost` pinned (CostModel.flat, say), and verifies at most `max_tokens` tokens."""
-        if method not in DRAFTERS:
-            raise UserError(f"no drafter for method {method!r}; choose one of {', '.join(DRAFTERS)}")
-        tree = tree or self.tree_spec
-        device = self.cache.data.device
-        k = self.matrix_k if matrix is None else matrix.k
-        static = self.tree if tree in (self.tree_spec, ADAPTIVE) else load_tree(tree, k)
-
-        def new_matrix() -> RecyclingMatrix:
-            return matrix if matrix is not None else RecyclingMatrix(self.model.config.vocab_size, k, device, self.ops)
-
-        def new_adaptive() -> AdaptiveTrees | None:
-            if tree != ADAPTIVE:
-                return None
-            return AdaptiveTrees(cost, max_tokens, device=device, pinned=cost is not None, shard=self.model.shard)
-
-        return drafter_class(method).build(DrafterSetup(device, static, new_matrix, new_adaptive))
+        return self.drafting.new_drafter(method, tree, matrix, cost, max_tokens)
 
     def cost_model(self, recalibrate: bool = False) -> CostModel:
         """The verify cost curve of this model, dtype, device, kernel tier and thread count (tr_engine/core/cost.py):
@@ -126,25 +105,16 @@ class Engine:
         serves this engine only, and the next engine measures again. `on_calibrate(fraction, doubt)`, if set, hears
         the measurement's progress: 0.0 at the start, then fractions, then 1.0 with the doubt (None, or why the curve
         was not saved)."""
-        if self._cost is None or recalibrate:
-            key = self._cost_key()
-            self._cost, measured = calibrated(self.runner, self.cache, key, cost_path(home(), key), self.model.shard,
-                                              self.matrix_k, self.on_calibrate, recalibrate)
-            if measured:  # (the measurement ran in the KV cache)
-                self.reset_cache()
-        return self._cost
-
-    def _cost_key(self) -> dict:
-        return cost_key(self.folder.name, self.model.dtype, self.model.device, self.ops.kind, self.cuda_graphs,
-                        self.model.shard.world, self.cpu_tier if "kernels" in self.ops.kind else None)
+        cost, measured = self.drafting.cost_model(self.runner, recalibrate, self.on_calibrate)
+        if measured:  # (the measurement ran in the KV cache)
+            self.reset_cache()
+        return cost
 
     def use_cost(self, cost: CostModel) -> None:
         """Price this engine's adaptive trees by `cost` from now on, instead of the curve measured on this machine: a
         curve measured elsewhere (CostModel.load), or a synthetic one (CostModel.flat) for an experiment or a test that
         is not about the curve. `cost_model(recalibrate=True)` measures this machine's again."""
-        if not isinstance(cost, CostModel):
-            raise InvalidType(f"cost must be a CostModel, got {type(cost).__name__}")
-        self._cost = cost
+        self.drafting.use_cost(cost)
 
     @classmethod
     def from_pretrained(
@@ -245,13 +215,10 @@ class Engine:
         """Like generate, yielding the answer's text as it is accepted (whole characters only); returns the
         GenerateResult (`result = yield from engine.stream(…)`, or StopIteration.value)."""
         sampling = sampling_of(sampling, temperature, top_k, top_p)
-        checks.integer(max_new_tokens, "max_new_tokens", 1)
-        checks.flag(seed_from_prompt, "seed_from_prompt")
-        checks.flag(reuse_cache, "reuse_cache")
-        checks.flag(ignore_eos, "ignore_eos")
+        checks.generation(max_new_tokens, seed, seed_from_prompt=seed_from_prompt, reuse_cache=reuse_cache,
+                          ignore_eos=ignore_eos)
         if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "set")):
             raise InvalidType(f"cancel must be a threading.Event, got {type(cancel).__name__}")
-        checks.seed(seed)
         if method is not None:
             check_method(method)
         ids = self.prompt_ids(prompt, chat_template)
@@ -296,10 +263,7 @@ class Engine:
         """Like generate_batch, yielding (prompt index, text piece) as each request's tokens are accepted; returns
         the results (`results = yield from engine.stream_batch(…)`)."""
         sampling = sampling_of(sampling, temperature, top_k, top_p)
-        checks.integer(max_new_tokens, "max_new_tokens", 1)
-        checks.flag(seed_from_prompt, "seed_from_prompt")
-        checks.flag(ignore_eos, "ignore_eos")
-        checks.seed(seed)
+        checks.generation(max_new_tokens, seed, seed_from_prompt=seed_from_prompt, ignore_eos=ignore_eos)
         if batch_size is not None:
             checks.integer(batch_size, "batch_size", 1, self.max_batch)
         method = check_method(method or self.method)
@@ -368,8 +332,6 @@ class Engine:
                      seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None,
                      sampling: Sampling = GREEDY, seed: int | None = None, ignore_eos: bool = False, cancel=None):
         """The decode loop for prompt token ids: yields each step's committed ids, returns the Generation."""
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         sampler = self.sampler(sampling, seed)
         method = drafter.name if drafter is not None else check_method(method or self.method)
         # Refuse what cannot fit before measuring anything (the decode loops check the same again).
@@ -401,9 +363,3 @@ class Engine:
         self.cache.reset()
         self.cached_ids = []
 
-
-def seeder(drafter, seed_from_prompt: bool):
-    """What receives a prompt's prefill logits to seed the recycling matrix (--seed-from-prompt): the drafter's
-    matrix's seed_, or None (not asked for, or a drafter without a matrix)."""
-    matrix = getattr(drafter, "matrix", None)
-    return matrix.seed_ if seed_from_prompt and matrix is not None else None

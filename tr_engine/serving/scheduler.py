@@ -103,8 +103,8 @@ class Scheduler:
     def __init__(self, engine, method: str | None = None, max_queued: int = 64, thread: bool = True,
                  prefix_reuse: bool = True, seed_from_prompt: bool = False):
         from tr_engine import checks
+        from tr_engine.core.drafting import seeder
         from tr_engine.core.methods import check_method
-        from tr_engine.engine import seeder
 
         self.engine, self.max_queued = engine, max_queued
         self.method = check_method(method or engine.method)

@@ -1,0 +1,84 @@
+"""What an engine drafts with, in one place: the recycling matrix it keeps for its lifetime (hot start across calls
+and requests), its static tree, the verify cost curve that prices the adaptive trees (measured once on this machine
+and cached on disk: tr_engine/core/cost.py), and one drafter per method, all on that one matrix. The Engine
+(tr_engine/engine.py) hands these out through its public calls; a benchmark builds more side by side with
+new_drafter, each with state of its own.
+"""
+
+from pathlib import Path
+
+from tr_engine.core.adaptive import AdaptiveTrees
+from tr_engine.core.cost import BUCKETS, CostModel, calibrated, cost_path
+from tr_engine.core.drafters import DrafterSetup
+from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.methods import ADAPTIVE, DRAFTERS, drafter_class
+from tr_engine.core.tree import DraftTree, load_tree
+from tr_engine.errors import InvalidType, InvalidValue, UserError
+from tr_engine.model.llama import Llama
+
+
+class Drafting:
+    """The matrix, the trees and the cost curve of one model on one cache (`key`: what the curve depends on,
+    cost.cost_key; `home`: the folder whose costs/ caches it)."""
+
+    def __init__(self, model: Llama, cache, key: dict, home: Path, tree: str = ADAPTIVE, matrix_k: int = 8):
+        self.model, self.cache, self.key, self.home = model, cache, key, home
+        self.matrix = RecyclingMatrix(model.config.vocab_size, matrix_k, model.device, model.ops)
+        self.tree_spec, self.matrix_k = tree, matrix_k
+        self.tree: DraftTree = load_tree("2.2.2" if tree == ADAPTIVE else tree, matrix_k)  # static (adaptive: unused)
+        if tree != ADAPTIVE and self.tree.size >= cache.capacity:  # near the end a tree is cut to fit; not all of it
+            raise InvalidValue(f"the draft tree verifies {self.tree.size} tokens a step but the cache holds only "
+                               f"{cache.capacity}; use a smaller --tree or raise --max-context")
+        self.cost: CostModel | None = None  # the curve the adaptive trees are priced by (measured or loaded at first use)
+        self.drafters = {}  # method -> its drafter on the shared matrix (drafter())
+
+    def drafter(self, method: str):
+        """The drafter for `method`, made on first use; the drafters of methods that keep a recycling matrix share
+        this one's."""
+        if method not in self.drafters:
+            self.drafters[method] = self.new_drafter(method, matrix=self.matrix)
+        return self.drafters[method]
+
+    def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None,
+                    cost: CostModel | None = None, max_tokens: int = BUCKETS[-1]):
+        """A drafter for `method` with the tree setting `tree` (default this one's), drafting from `matrix` (default a
+        new, empty one); an adaptive tree priced by this curve, or by `cost` pinned, verifying at most `max_tokens`."""
+        if method not in DRAFTERS:
+            raise UserError(f"no drafter for method {method!r}; choose one of {', '.join(DRAFTERS)}")
+        tree = tree or self.tree_spec
+        device = self.cache.data.device
+        k = self.matrix_k if matrix is None else matrix.k
+        static = self.tree if tree in (self.tree_spec, ADAPTIVE) else load_tree(tree, k)
+
+        def new_matrix() -> RecyclingMatrix:
+            return matrix if matrix is not None else RecyclingMatrix(self.model.config.vocab_size, k, device,
+                                                                     self.model.ops)
+
+        def new_adaptive() -> AdaptiveTrees | None:
+            if tree != ADAPTIVE:
+                return None
+            return AdaptiveTrees(cost, max_tokens, device=device, pinned=cost is not None, shard=self.model.shard)
+
+        return drafter_class(method).build(DrafterSetup(device, static, new_matrix, new_adaptive))
+
+    def cost_model(self, runner, recalibrate: bool = False, notify=None) -> tuple[CostModel, bool]:
+        """The curve, and whether it was measured now (through `runner`, the model or its CUDA graphs, in the cache,
+        which it overwrote): loaded from the home's costs/ folder, or measured and saved there unless doubtful
+        (tr_engine/core/cost.py: calibrated)."""
+        measured = False
+        if self.cost is None or recalibrate:
+            self.cost, measured = calibrated(runner, self.cache, self.key, cost_path(self.home, self.key),
+                                             self.model.shard, self.matrix_k, notify, recalibrate)
+        return self.cost, measured
+
+    def use_cost(self, cost: CostModel) -> None:
+        if not isinstance(cost, CostModel):
+            raise InvalidType(f"cost must be a CostModel, got {type(cost).__name__}")
+        self.cost = cost
+
+
+def seeder(drafter, seed_from_prompt: bool):
+    """What receives a prompt's prefill logits to seed the recycling matrix (--seed-from-prompt): the drafter's
+    matrix's seed_, or None (not asked for, or a drafter without a matrix)."""
+    matrix = getattr(drafter, "matrix", None)
+    return matrix.seed_ if seed_from_prompt and matrix is not None else None
