@@ -204,6 +204,9 @@ def test_one_plan_for_one_sequence_or_a_batch():
     # the depth limit, which would pay for the 16 bucket.
     trees.cost = CPU_LIKE
     assert {plan(trees, sure_chain(), root=r)[0].size for r in range(8)} == {12}
+    # A curve measured in a small cache stops at 4 tokens: a batch of more roots than that takes plain steps.
+    trees.cost = CostModel((1, 2, 4), PREFIXES, [[1.0, 1.1, 1.3]] * 2, [0.0, 0.0], {})
+    assert [t.size for t, _ in trees.plan(m.table, m.confidence, list(range(6)), [100] * 6)] == [1] * 6
 
 
 def test_graft_chain_buffers():

@@ -206,8 +206,9 @@ class AdaptiveTrees:
         curve = self.times.curve(sum(prefixes) // B)
         sizes = [T for T in self.buckets if T in curve]  # a curve measured in a small cache stops early
 
-        def cost(n: int) -> float:  # the smallest measured size holding n tokens
-            return curve[next(T for T in sizes if T >= n)]
+        def cost(n: int) -> float:  # the smallest measured size holding n tokens (past the largest: in proportion)
+            T = next((T for T in sizes if T >= n), None)
+            return curve[T] if T is not None else curve[sizes[-1]] * n / sizes[-1]
 
         heap = []  # (-probability, sequence, tie-breaker, node): a tree node (path, token) or a chain position
 
