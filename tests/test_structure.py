@@ -141,8 +141,7 @@ def test_one_decode_loop_drives_the_one_step_and_the_step_is_short():
     assert step.end_lineno - step.lineno + 1 <= 40
     assert calls_of("tr_engine.core.speculative", "step") == ["tr_engine.core.batch.batch_steps"]
     assert set(calls_of("tr_engine.core.batch", "batch_steps")) == {  # (methods by their function's name)
-        "tr_engine.core.batch.speculative_steps", "tr_engine.engine.stream_batch",
-        "tr_engine.serving.scheduler.__init__"}
+        "tr_engine.core.batch.speculative_steps", "tr_engine.engine.batch_loop"}
     assert calls_of("tr_engine.core.decode", "plain_steps") == ["tr_engine.core.decode.plain_generate"]
     assert calls_of("tr_engine.core.decode", "plain_generate") == []  # (the tests' and a benchmark's, not the engine's)
 

@@ -24,7 +24,7 @@ from tr_engine.model import cpu, parallel
 from tr_engine.model.device import check_cuda_graphs, check_device
 from tr_engine.model.folders import home, resolve_model
 from tr_engine.model.graphs import BatchGraphs, StepGraphs, graph_buckets
-from tr_engine.model.kv_cache import BatchKVCache, KVCache, shared_prefix
+from tr_engine.model.kv_cache import BatchKVCache, KVCache
 from tr_engine.model.llama import Llama
 from tr_engine.model.ops import resolve_ops
 from tr_engine.model.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
@@ -55,7 +55,7 @@ class Engine:
             self.rng.manual_seed(seed)
         self.method = check_method(method)  # the default decode method of generate/stream
         self.cache = KVCache(model.local_config, max_context, model.dtype, model.device)  # (this rank's KV heads)
-        self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, for reuse across a conversation
+        self.slot = BatchKVCache.of(self.cache)  # the cache as a batch of one, remembering its conversation for reuse
         model.set_max_positions(max_context)
         # What the decode loops run their forwards through: the model, or on a GPU its CUDA graphs (graphs.py).
         self.cuda_graphs = check_cuda_graphs(cuda_graphs, model.device, self.ops)
@@ -222,22 +222,8 @@ class Engine:
         if method is not None:
             check_method(method)
         ids = self.prompt_ids(prompt, chat_template)
-        decoder = StreamDecoder(self.tokenizer, ids)
-        eos = self.tokenizer.eos_ids
-        steps = self.decode_steps(ids, max_new_tokens, method, seed_from_prompt, reuse_cache, drafter, sampling, seed,
-                                  ignore_eos, cancel)
-        while True:
-            try:
-                committed = next(steps)
-            except StopIteration as done:
-                gen = done.value
-                break
-            piece = decoder.push([t for t in committed if t not in eos])
-            if piece:
-                yield piece
-        tail = decoder.flush()
-        if tail:
-            yield tail
+        gen = yield from StreamDecoder(self.tokenizer, ids).texts(self.decode_steps(
+            ids, max_new_tokens, method, seed_from_prompt, reuse_cache, drafter, sampling, seed, ignore_eos, cancel))
         return self.result(ids, gen)
 
     def generate_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
@@ -271,8 +257,6 @@ class Engine:
             raise InvalidType(f"prompts must be a list of prompts, got {type(prompts).__name__}")
         results: list[GenerateResult | None] = [None] * len(prompts)
         requests, decoders = [], {}
-        drafter = None if method == AR else self.priced(self.drafter(method))
-        seed_matrix = seeder(drafter, seed_from_prompt)
         for i, prompt in enumerate(prompts):
             try:
                 ids = self.prompt_ids(prompt, chat_template)
@@ -281,25 +265,31 @@ class Engine:
                 continue
             request_seed = None if seed is None else (seed + i) % (checks.MAX_SEED + 1)
             requests.append(Request(i, ids, max_new_tokens, self.sampler(sampling, request_seed),
-                                    ignore_eos=ignore_eos, seed_matrix=seed_matrix))
+                                    ignore_eos=ignore_eos))
             decoders[i] = StreamDecoder(self.tokenizer, ids)
-        eos = self.tokenizer.eos_ids
         prompt_of = {r.id: r.prompt_ids for r in requests}
-        cache = self.batch_cache()
-        for event in batch_steps(self.batch_runner, cache, requests, drafter, eos, self.ops, batch_size):
+        for event in self.batch_loop(requests, method, seed_from_prompt, batch_size):
             i = event.request
             if event.error is not None:
                 results[i] = failed(f"prompt {i}: {event.error}")
                 continue
-            piece = decoders[i].push([t for t in event.tokens if t not in eos])
+            piece = decoders[i].push(event.tokens) + (decoders[i].flush() if event.done is not None else "")
             if piece:
                 yield i, piece
             if event.done is not None:
-                tail = decoders[i].flush()
-                if tail:
-                    yield i, tail
                 results[i] = self.result(prompt_of[i], event.done)
         return results
+
+    def batch_loop(self, requests, method: str | None = None, seed_from_prompt: bool = False,
+                   limit: int | None = None, reuse_prefix: bool = False):
+        """The batch driver (tr_engine/core/batch.py's batch_steps) over `requests` (Requests, or a scheduler's source
+        of them), in the engine's batch cache, drafting with `method`'s drafter (priced by this machine's curve):
+        generate_batch and the server both decode through it."""
+        method = check_method(method or self.method)
+        drafter = None if method == AR else self.priced(self.drafter(method))
+        cache = self.batch_cache()  # (then batch_runner is set)
+        return batch_steps(self.batch_runner, cache, requests, drafter, self.tokenizer.eos_ids, self.ops, limit,
+                           reuse_prefix, seeder(drafter, seed_from_prompt))
 
     def result(self, prompt_ids: list[int], gen: Generation) -> GenerateResult:
         """A generation as the API returns it: its text (without the end-of-sequence token that ended it), ids and
@@ -338,16 +328,10 @@ class Engine:
         self.cache.check_room(len(ids) + max_new_tokens, "the prompt plus --max-new-tokens", start=0)
         if method != AR:  # (measuring the cost curve, once, overwrites the cache: before anything is cached)
             drafter = self.priced(drafter or self.drafter(method))
-        keep = shared_prefix(self.cached_ids, ids) if reuse_cache else 0
-        self.cache.length = min(keep, len(ids) - 1)  # the last prompt token is always run: its logits start decoding
-        # The loop writes only after these slots, so an interrupted call (Ctrl-C) still leaves them to reuse.
-        self.cached_ids = ids[: self.cache.length]
-        eos = self.tokenizer.eos_ids
         # (ar: no drafter, each step the root alone, through the same loop)
-        gen = yield from speculative_steps(self.runner, self.cache, ids, drafter, max_new_tokens, eos, self.ops,
-                                           seeder(drafter, seed_from_prompt), sampler, ignore_eos, cancel)
-        self.cached_ids = (ids + gen.token_ids)[: self.cache.length]
-        return gen
+        return (yield from speculative_steps(self.runner, self.slot, ids, drafter, max_new_tokens,
+                                             self.tokenizer.eos_ids, self.ops, seeder(drafter, seed_from_prompt),
+                                             sampler, ignore_eos, cancel, reuse_prefix=reuse_cache))
 
     def sampler(self, sampling: Sampling, seed: int | None = None) -> Sampler | None:
         """The draws of one sampled call (None when greedy): from `seed`, else from a seed taken off the engine's
@@ -358,8 +342,12 @@ class Engine:
             seed = int(torch.randint(2**62, (1,), generator=self.rng))
         return Sampler(sampling, seed)
 
+    @property
+    def cached_ids(self) -> list[int]:
+        """The tokens whose K/V the cache holds (the conversation so far, but its last token), reused by the next
+        call with reuse_cache where its prompt starts with them."""
+        return self.slot.held[0]
+
     def reset_cache(self) -> None:
         """Forget the cached conversation (the next call prefills its whole prompt)."""
-        self.cache.reset()
-        self.cached_ids = []
-
+        self.slot.forget()

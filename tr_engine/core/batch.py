@@ -1,6 +1,6 @@
 """The decode driver: requests admitted (prefilled), stepped (tr_engine/core/speculative.py's `step`), stopped and
 retired, up to N sequences in one forward per step, each exactly what it would be decoded alone. One sequence runs
-through the same loop (speculative_steps: its cache as a one-slot batch, kv_cache.OneSlot).
+through the same loop (speculative_steps: its cache as a batch of one slot, BatchKVCache.of).
 
 Every step, each active sequence drafts as it would alone (the same drafter object for all: its per-step state
 travels in the Draft, and Token Recycling's matrix is shared, so every sequence teaches every other), and one
@@ -32,7 +32,7 @@ from tr_engine.core.generation import Generation, run_to_end
 from tr_engine.core.sampling import Sampler, greedy
 from tr_engine.core.speculative import PHASES, PhaseClock, prefill_and_seed, step, stop
 from tr_engine.errors import UserError
-from tr_engine.model.kv_cache import BatchKVCache, KVCache, OneSlot
+from tr_engine.model.kv_cache import BatchKVCache, KVCache
 from tr_engine.model.llama import Llama, RaggedBatch
 
 
@@ -53,7 +53,6 @@ class Request:
     started: float = 0.0  # when its decoding began (after its prefill)
     cancel_event: threading.Event = field(default_factory=threading.Event)  # set from any thread: cancel()
     ignore_eos: bool = False  # decode past the end-of-sequence token, to max_new_tokens (a benchmark's fixed length)
-    seed_matrix: Callable | None = None  # seed_matrix(ids, logits): handed the prompt's logits at every position
     prefilled: int = 0  # prompt tokens its prefill ran (those its cache did not hold already)
     reused: int = 0  # prompt tokens its cache held already (an earlier turn's, or a shared system prompt's)
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # its steps', by phase
@@ -112,7 +111,7 @@ class Listed:
 
 
 def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: tuple[int, ...], ops,
-                limit: int | None = None, reuse_prefix: bool = False):
+                limit: int | None = None, reuse_prefix: bool = False, seed_matrix: Callable | None = None):
     """Decode `requests` with at most `limit` (default cache.slots) of them in each forward, drafting with `drafter`
     (None: plain decoding). Yields Events as tokens are committed; a request ends with an Event carrying its
     Generation or its error. `requests` is an iterable of Requests in id order, or a source whose take(block)
@@ -121,7 +120,8 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     cancelled). A cancelled request leaves at the next step boundary with the error "cancelled". With `reuse_prefix`, a
     request takes the free slot that holds
     the longest start of its prompt (a finished request's prompt and answer stay in its slot) and prefills only the
-    rest: the same bits as a cold prefill, the kernels being row-independent."""
+    rest: the same bits as a cold prefill, the kernels being row-independent. `seed_matrix(ids, logits)`, if given,
+    receives every prefill's logits at each prefilled position (Token Recycling's optional prompt seeding)."""
     limit = cache.slots if limit is None else min(limit, cache.slots)
     source, active = requests if hasattr(requests, "take") else Listed(requests), {}
     clock, before = PhaseClock(), {}  # the steps' seconds by phase (the whole batch's), and at the last step's start
@@ -139,7 +139,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
             view.check_room(len(new) + r.max_new_tokens, "the prompt plus --max-new-tokens")
             t0 = time.perf_counter()
             with torch.inference_mode():
-                logits = prefill_and_seed(model, view, new, r.seed_matrix)
+                logits = prefill_and_seed(model, view, new, seed_matrix)
                 first = int(greedy(logits, ops)) if r.sampler is None else r.sampler.draw(logits, 0)
         except UserError as e:
             cache.give_back(r.slot, r.prompt_ids)  # (what it held before still holds)
@@ -222,19 +222,22 @@ def verify_batch(model: Llama, cache: BatchKVCache, slots: list[int], drafts: li
     return model(tokens, positions, cache.data, 0, batch=batch)
 
 
-def speculative_steps(model: Llama, cache: KVCache, context_ids: list[int], drafter, max_new_tokens: int,
-                      eos_ids: tuple[int, ...], ops, seed_matrix=None, sampler: Sampler | None = None,
-                      ignore_eos: bool = False, cancel: threading.Event | None = None):
-    """One sequence through batch_steps, in `cache` (which may hold the start of `context_ids` already: only the rest
-    is prefilled), drafting with `drafter`: yields each step's committed tokens (the first token alone first), greedy
-    or, with `sampler`, sampled; `seed_matrix(ids, logits)`, if given, receives the prefill's logits at every
-    prefilled position (Token Recycling's optional prompt seeding). With `ignore_eos` it decodes past the
-    end-of-sequence token to max_new_tokens; once `cancel` (an Event, set from any thread) is set, it ends at the next
-    step boundary with finish_reason "cancelled". Returns the Generation; a request that cannot run (too long for the
-    cache) raises its one-line error."""
-    request = Request(0, context_ids, max_new_tokens, sampler, ignore_eos=ignore_eos, seed_matrix=seed_matrix,
+def speculative_steps(model: Llama, cache: KVCache | BatchKVCache, context_ids: list[int], drafter,
+                      max_new_tokens: int, eos_ids: tuple[int, ...], ops, seed_matrix=None,
+                      sampler: Sampler | None = None, ignore_eos: bool = False,
+                      cancel: threading.Event | None = None, reuse_prefix: bool = False):
+    """One sequence through batch_steps, drafting with `drafter`: yields each step's committed tokens (the first
+    token alone first), greedy or, with `sampler`, sampled. `cache` is a KVCache (emptied first), or a one-slot
+    BatchKVCache that remembers what it holds: with `reuse_prefix`, the start of `context_ids` it holds already (an
+    earlier turn of the conversation) is not prefilled again. `seed_matrix` as batch_steps'. With `ignore_eos` it
+    decodes past the end-of-sequence token to max_new_tokens; once `cancel` (an Event, set from any thread) is set, it
+    ends at the next step boundary with finish_reason "cancelled". Returns the Generation; a request that cannot run
+    (too long for the cache) raises its one-line error."""
+    slots = cache if isinstance(cache, BatchKVCache) else BatchKVCache.of(cache)
+    request = Request(0, context_ids, max_new_tokens, sampler, ignore_eos=ignore_eos,
                       cancel_event=cancel or threading.Event())
-    for event in batch_steps(model, OneSlot(cache), [request], drafter, eos_ids, ops):
+    for event in batch_steps(model, slots, [request], drafter, eos_ids, ops, reuse_prefix=reuse_prefix,
+                             seed_matrix=seed_matrix):
         if event.error is not None and event.done is None:
             raise UserError(event.error)
         yield event.tokens

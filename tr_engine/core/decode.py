@@ -43,8 +43,6 @@ def uncached(cache: KVCache, context_ids: list[int]) -> list[int]:
     return context_ids[cache.length :]
 
 
-
-
 @torch.inference_mode()
 def decode_step(model: Llama, cache: KVCache, token: torch.Tensor) -> torch.Tensor:
     """Feed one token (a tensor [1], on the cache's device) and commit it; return the logits [1, V] after it. (No

@@ -54,7 +54,20 @@ class BatchKVCache:
                  scratch: bool = False):
         """`scratch`: one more slot, never taken, where a padded step's padding rows write (BatchGraphs)."""
         shape = (slots + scratch, config.num_hidden_layers, 2, config.num_key_value_heads, capacity, config.head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self._setup(torch.zeros(shape, dtype=dtype, device=device), slots, scratch)
+
+    @classmethod
+    def of(cls, cache: KVCache) -> "BatchKVCache":
+        """One sequence's cache as a batch of one slot (the engine's own: a single request runs through the batch
+        loop), what it holds forgotten."""
+        batch = cls.__new__(cls)
+        batch._setup(cache.data.unsqueeze(0), 1, False)
+        batch.views = [cache]
+        cache.length = 0
+        return batch
+
+    def _setup(self, data: torch.Tensor, slots: int, scratch: bool) -> None:
+        self.data = data
         self.views = [KVCache.over(self.data[b]) for b in range(slots)]
         self.scratch = slots if scratch else None
         self._free = list(range(slots))
@@ -94,6 +107,11 @@ class BatchKVCache:
         self.views[slot].length = keep
         return slot
 
+    def forget(self) -> None:
+        """Empty every slot (none in use): nothing is reused any more."""
+        for slot, view in enumerate(self.views):
+            view.length, self.held[slot] = 0, []
+
     def give_back(self, slot: int, ids: list[int] = ()) -> None:
         """Free `slot`; `ids`: the tokens its K/V hold from position 0 (kept for a later take(ids) to reuse)."""
         self._clock += 1
@@ -110,30 +128,3 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-class OneSlot:
-    """A single sequence's cache as a batch of one slot, for the decode driver (tr_engine/core/batch.py), so that one
-    request runs through the same loop as many. Unlike a batch's slot, taking it keeps what it holds: the earlier turns
-    of a conversation, which the request's prefill then skips."""
-
-    def __init__(self, cache: KVCache):
-        self.cache = cache
-        self._taken = False
-
-    @property
-    def slots(self) -> int:
-        return 1
-
-    def view(self, slot: int) -> KVCache:
-        return self.cache
-
-    def free(self) -> int:
-        return 0 if self._taken else 1
-
-    def take(self, ids: list[int] | None = None) -> int:
-        self._taken = True
-        return 0
-
-    def give_back(self, slot: int, ids: list[int] = ()) -> None:
-        self._taken = False

@@ -170,7 +170,8 @@ def load_tokenizer(folder: str | Path, eos_ids: tuple[int, ...] = ()) -> Tokeniz
 
 
 class StreamDecoder:
-    """Incremental detokenisation: feed ids as they are accepted, get back only complete new text.
+    """Incremental detokenisation, the one way generated ids become text as they come: feed ids as they are
+    accepted, get back only complete new text. End-of-sequence ids are not text: they are dropped.
 
     Decodes a short window of recent ids and emits the part that grew; text ending in U+FFFD (a partial UTF-8
     sequence split across tokens) is held back until the next token completes it.
@@ -181,8 +182,24 @@ class StreamDecoder:
         self.ids = list(prefix_ids)[-4:]  # context so word-initial spaces decode as they would mid-text
         self.emitted = len(self.tok.decode(self.ids)) if self.ids else 0
 
+    def texts(self, steps):
+        """Yield the text of a decode loop's committed ids (`steps` yields lists of them) as it completes; return
+        what the loop returns."""
+        while True:
+            try:
+                piece = self.push(next(steps))
+            except StopIteration as end:
+                result = end.value
+                break
+            if piece:
+                yield piece
+        tail = self.flush()
+        if tail:
+            yield tail
+        return result
+
     def push(self, new_ids: list[int]) -> str:
-        self.ids += list(new_ids)
+        self.ids += [t for t in new_ids if t not in self.tok.eos_ids]
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):
             return ""

@@ -109,7 +109,6 @@ class Answer:
     async def pieces(self, disconnected=None):
         """Yield the answer's text as it is accepted; `finish_reason` is set at the end ("stop" or "length").
         `disconnected` (a coroutine function) is polled while waiting: once true, the request is cancelled."""
-        eos = self.state.engine.tokenizer.eos_ids
         events = self.handle.atokens()
         try:
             while True:
@@ -119,7 +118,7 @@ class Answer:
                     break
                 self.steps += 1
                 self.tokens += tokens
-                text = self.stops.push(self.decoder.push([t for t in tokens if t not in eos]))
+                text = self.stops.push(self.decoder.push(tokens))
                 if text:
                     yield text
                 if self.stops.hit:

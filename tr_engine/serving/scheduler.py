@@ -27,9 +27,8 @@ import threading
 import time
 from collections import deque
 
-from tr_engine.core.batch import END, Request, batch_steps
+from tr_engine.core.batch import END, Request
 from tr_engine.core.generation import Generation
-from tr_engine.core.methods import AR
 from tr_engine.core.sampling import Sampling, sampling_of
 from tr_engine.errors import ContextOverflow, UserError
 
@@ -103,7 +102,6 @@ class Scheduler:
     def __init__(self, engine, method: str | None = None, max_queued: int = 64, thread: bool = True,
                  prefix_reuse: bool = True, seed_from_prompt: bool = False):
         from tr_engine import checks
-        from tr_engine.core.drafting import seeder
         from tr_engine.core.methods import check_method
 
         self.engine, self.max_queued = engine, max_queued
@@ -114,13 +112,10 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._chores: list = []  # between_steps' callables, for the batch's thread
-        drafter = None if self.method == AR else engine.priced(engine.drafter(self.method))
-        self._seed_matrix = seeder(drafter, checks.flag(seed_from_prompt, "seed_from_prompt"))
         shard = engine.model.shard  # under --tp every rank runs this loop: rank 0's decisions, followed by all
         source = self if shard.world == 1 else Lockstep(shard, self)
-        cache = engine.batch_cache()
-        self._steps = batch_steps(engine.batch_runner, cache, source, drafter, engine.tokenizer.eos_ids,
-                                  engine.ops, reuse_prefix=checks.flag(prefix_reuse, "prefix_reuse"))
+        self._steps = engine.batch_loop(source, self.method, checks.flag(seed_from_prompt, "seed_from_prompt"),
+                                        reuse_prefix=checks.flag(prefix_reuse, "prefix_reuse"))
         self._finished = threading.Event()  # run() returned
         self._started = False
         if thread:
@@ -165,7 +160,7 @@ class Scheduler:
             if len(self._waiting) >= self.max_queued:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting for a slot already; retry shortly")
             request = Request(next(self._ids), ids, max_new_tokens, self.engine.sampler(sampling, seed),
-                              ignore_eos=checks.flag(ignore_eos, "ignore_eos"), seed_matrix=self._seed_matrix)
+                              ignore_eos=checks.flag(ignore_eos, "ignore_eos"))
             handle = self._handles[request.id] = Handle(request, loop)
             self._waiting.append(request)
             self._cond.notify()
@@ -199,7 +194,7 @@ class Scheduler:
     def follow(self, spec) -> Request:
         """A request rank 0 took (Lockstep's spec), as this rank's batch decodes it."""
         rid, ids, max_new_tokens, sampler, ignore_eos = spec
-        return Request(rid, ids, max_new_tokens, sampler, ignore_eos=ignore_eos, seed_matrix=self._seed_matrix)
+        return Request(rid, ids, max_new_tokens, sampler, ignore_eos=ignore_eos)
 
     def between_steps(self, chore) -> None:
         """Run chore() on the batch's thread at the next step boundary (at once when no request runs), where nothing
