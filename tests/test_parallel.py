@@ -4,6 +4,7 @@ starts them (fresh interpreters, no forked state), each loading only its shard o
 import os
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -261,7 +262,6 @@ def test_a_killed_rank_ends_the_run_with_one_line_on_rank_0(tiny_factory):
     the timeout with one line naming the cause, instead of hanging in its next all-reduce."""
     import subprocess
     import sys
-    import time
 
     folder = str(tiny_factory("tp-long", num_heads=6, num_kv_heads=3, vocab_size=301, max_positions=8192))
     port, ranks = free_port(), []
@@ -296,6 +296,33 @@ def test_torchrun_chat_reads_on_rank_0_and_every_rank_follows(tiny_factory):
                         timeout=300)
     assert alone.returncode == 0 and tp.returncode == 0, tp.stderr
     assert tp.stdout == alone.stdout and tp.stdout.count("\n") == 2  # two answers, once each
+
+
+def test_torchrun_chat_outlasts_a_pause_in_its_input_longer_than_the_timeout(tiny_factory):
+    """While rank 0 waits for a line (a person thinking), the other ranks wait for it in a collective: rank 0's
+    heartbeats keep that wait inside $TR_ENGINE_TP_TIMEOUT_S, so a pause twice as long ends nothing."""
+    import subprocess
+    import sys
+
+    folder = str(tiny_factory("tp-methods", num_heads=6, num_kv_heads=3, vocab_size=301))
+    command = ["-m", "tr_engine.chat", "--model", folder, "--max-new-tokens", "8", "--quiet", "--no-persist",
+               "--max-context", "256", "--method", "tr"]
+    alone = subprocess.run([sys.executable, *command], input="hello there\nand again\n", capture_output=True,
+                           text=True, timeout=300)
+    tp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), *command, "--tp", "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env={**os.environ, "TR_ENGINE_TP_TIMEOUT_S": "5"})
+    try:
+        tp.stdin.write("hello there\n")
+        tp.stdin.flush()
+        first = tp.stdout.readline()  # the first answer; then 10 s with no input
+        time.sleep(10)
+        assert tp.poll() is None, tp.stderr.read()
+        rest, err = tp.communicate("and again\n", timeout=120)
+    finally:
+        tp.kill()
+    assert alone.returncode == 0 and tp.returncode == 0, err
+    assert first + rest == alone.stdout and alone.stdout.count("\n") == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -363,7 +363,7 @@ def test_torchrun_serves_tp2_and_answers_the_openai_client_as_one_process_does(t
     try:
         want = [alone(messages(p)).text for p in PROMPTS]
         assert concurrent_answers(server) == want
-        time.sleep(12)  # idle past a heartbeat (Lockstep.HEARTBEAT_S): the other rank is still in step
+        time.sleep(12)  # idle past a heartbeat (parallel.heartbeat_s()): the other rank is still in step
         second = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": want[0]},
                   {"role": "user", "content": "and then?"}]
         again = server.client.chat.completions.create(model=server.model, messages=second, max_tokens=24,

@@ -9,6 +9,7 @@ only the answers go to stdout (statistics to stderr). User errors print one line
 
 import os
 import sys
+import threading
 
 from tr_engine import checks
 from tr_engine.cli.args import add_engine_args, add_matrix_args, engine_from_args, integer, load_matrix, \
@@ -16,6 +17,7 @@ from tr_engine.cli.args import add_engine_args, add_matrix_args, engine_from_arg
 from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.core.methods import methods
 from tr_engine.errors import MatrixFileError, UserError, one_line, warn
+from tr_engine.model.parallel import ALONE, heartbeat_s
 
 HELP = """commands:
   /reset          start a new conversation (the recycling matrix is kept)
@@ -173,11 +175,38 @@ def turn(session: Session, text: str, quiet: bool) -> None:
         print(session.status_line(), file=sys.stderr, flush=True)
 
 
-def handle(session: Session, line: str, quiet: bool) -> str:
+class Heartbeat:
+    """Under --tp, while rank 0 waits for a line of input (a person thinking, a slow pipe), the other ranks wait for
+    it in a collective, which ends the run past $TR_ENGINE_TP_TIMEOUT_S. So rank 0 sends them an empty line, which
+    they skip, every parallel.heartbeat_s() seconds from a thread of its own; a line's handling holds `busy`, so that
+    no heartbeat falls among its collectives."""
+
+    def __init__(self, shard):
+        self.shard, self.busy, self.stopped = shard, threading.Lock(), threading.Event()
+        if shard.world > 1 and shard.rank == 0:
+            threading.Thread(target=self._beat, name="tr-engine-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(heartbeat_s()):
+            with self.busy:
+                if self.stopped.is_set():
+                    return
+                try:
+                    self.shard.from_rank0("")
+                except UserError:  # a rank is gone: the next line's collective says so, on the main thread
+                    return
+
+    def stop(self) -> None:
+        with self.busy:
+            self.stopped.set()
+
+
+def handle(session: Session, line: str, quiet: bool, heartbeat: Heartbeat) -> str:
     """One input line, a /command or a turn: "quit", "ok", or "failed" (a user error, reported; the chat goes on).
     Under --tp, rank 0 (which reads the input) hands the line to the other ranks first (follow())."""
-    session.engine.model.shard.from_rank0(line)
-    return handle_here(session, line, quiet)
+    with heartbeat.busy:
+        session.engine.model.shard.from_rank0(line)
+        return handle_here(session, line, quiet)
 
 
 def handle_here(session: Session, line: str, quiet: bool) -> str:
@@ -195,7 +224,7 @@ def handle_here(session: Session, line: str, quiet: bool) -> str:
         return "failed"
 
 
-def interactive(session: Session, quiet: bool) -> None:
+def interactive(session: Session, quiet: bool, heartbeat: Heartbeat) -> None:
     print(f"tr-engine chat: {session.engine.folder.name}, method {session.method}. /help for commands, "
           "Ctrl-D to quit.", file=sys.stderr)
     while True:
@@ -208,17 +237,17 @@ def interactive(session: Session, quiet: bool) -> None:
             print("\n(Ctrl-D or /quit to exit)", file=sys.stderr)
             continue
         try:
-            if handle(session, line, quiet) == "quit":
+            if handle(session, line, quiet, heartbeat) == "quit":
                 return
         except KeyboardInterrupt:  # the answer was stopped; Session.ask kept what it said
             continue
 
 
-def piped(session: Session, lines, quiet: bool) -> bool:
+def piped(session: Session, lines, quiet: bool, heartbeat: Heartbeat) -> bool:
     """Each line a turn or a command; False if a turn failed (it is reported and the rest still run)."""
     ok = True
     for line in lines:
-        result = handle(session, line, quiet)
+        result = handle(session, line, quiet, heartbeat)
         if result == "quit":
             break
         ok = ok and result == "ok"
@@ -230,7 +259,7 @@ def follow(session: Session) -> None:
     says the input has ended (None)."""
     shard = session.engine.model.shard
     while (line := shard.from_rank0(None)) is not None:
-        handle_here(session, line, quiet=True)
+        handle_here(session, line, quiet=True)  # (a heartbeat's empty line does nothing)
 
 
 def main(argv=None) -> int:
@@ -246,6 +275,7 @@ def main(argv=None) -> int:
     if shard.rank != 0:  # --tp: rank 0 reads the input, answers and saves the matrix; the others decode in step
         sys.stdout, save_to = open(os.devnull, "w"), None
     status = 0
+    heartbeat = Heartbeat(shard if args.prompt is None else ALONE)
     try:
         session = Session(engine, args.method, args.max_new_tokens, args.system, args.seed_from_prompt, sampling)
         if args.prompt is not None:
@@ -253,10 +283,11 @@ def main(argv=None) -> int:
         elif shard.rank != 0:
             follow(session)
         elif sys.stdin.isatty():
-            interactive(session, args.quiet)
-        elif not piped(session, sys.stdin, args.quiet):
+            interactive(session, args.quiet, heartbeat)
+        elif not piped(session, sys.stdin, args.quiet, heartbeat):
             status = 2
     finally:  # on the way out whatever happened (Ctrl-C, SIGTERM, an error): the answers are out, now the matrix
+        heartbeat.stop()
         if shard.world > 1 and shard.rank == 0 and args.prompt is None:
             shard.from_rank0(None)  # the input has ended: the other ranks stop
         if save_to is not None:

@@ -187,6 +187,12 @@ def timeout_s() -> float:
         raise UserError(f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} is not a number of seconds")
 
 
+def heartbeat_s() -> float:
+    """How often rank 0, waiting for work (a client, a line of input), tells the other ranks, who wait for it in a
+    collective, that it is still there: well within the timeout."""
+    return min(10.0, timeout_s() / 4)
+
+
 def init(tp: int, device: torch.device) -> Shard:
     """Join the run's process group (torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): gloo on a
     CPU, NCCL on CUDA (each rank on its LOCAL_RANK's GPU), every collective bounded by $TR_ENGINE_TP_TIMEOUT_S

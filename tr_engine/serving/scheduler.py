@@ -31,6 +31,7 @@ from tr_engine.core.batch import END, Request
 from tr_engine.core.generation import Generation
 from tr_engine.core.sampling import Sampling, sampling_of
 from tr_engine.errors import ContextOverflow, UserError
+from tr_engine.model.parallel import heartbeat_s
 
 
 class QueueFull(UserError):
@@ -290,10 +291,8 @@ class Lockstep:
     numbers (tr_engine/model/parallel.py), so every rank must also admit and drop the same requests at the same step
     boundaries: rank 0's scheduler, which alone hears the clients, decides (take, leaving), and each decision is
     broadcast to the other ranks, which rebuild the request (its ids, length, sampler and seed: the same draws) and
-    follow. While no request comes, rank 0 says so every HEARTBEAT_S seconds, so that the other ranks' wait, a
-    collective, never reaches the run's timeout."""
-
-    HEARTBEAT_S = 10.0
+    follow. While no request comes, rank 0 says so every parallel.heartbeat_s() seconds, so that the other ranks'
+    wait, a collective, never reaches the run's timeout."""
 
     def __init__(self, shard, scheduler: "Scheduler"):
         self.shard, self.scheduler = shard, scheduler
@@ -301,7 +300,7 @@ class Lockstep:
     def take(self, block: bool):
         spec = None
         if self.shard.rank == 0:
-            r = self.scheduler.take(block, timeout=self.HEARTBEAT_S if block else None)
+            r = self.scheduler.take(block, timeout=heartbeat_s() if block else None)
             spec = "end" if r is END else None if r is None else (r.id, r.prompt_ids, r.max_new_tokens, r.sampler,
                                                                   r.ignore_eos)
         spec = self.shard.from_rank0(spec)
