@@ -19,7 +19,7 @@ from tr_engine.core.generation import GenerateResult, Generation, failed, run_to
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.methods import ADAPTIVE, AR, DEFAULT_METHOD, check_method
 from tr_engine.core.sampling import GREEDY, Sampler, Sampling, sampling_of
-from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
+from tr_engine.errors import InvalidType, InvalidValue, UserError
 from tr_engine.model import cpu, parallel
 from tr_engine.model.device import check_cuda_graphs, check_device
 from tr_engine.model.folders import home, resolve_model
@@ -46,13 +46,7 @@ class Engine:
         self.ops = model.ops
         # Sampling's randomness: each sampled call draws its own seed from this stream (or takes the one it is given),
         # so a seeded engine answers a sequence of calls the same way whatever method each uses.
-        self.rng = torch.Generator()
-        if seed is None:
-            self.rng.seed()
-            if model.shard.world > 1:  # every rank draws alike (tr_engine/model/parallel.py): rank 0's seed
-                self.rng.manual_seed(model.shard.from_rank0(self.rng.initial_seed()))
-        else:
-            self.rng.manual_seed(seed)
+        self.rng = model.shard.generator(seed)  # (under --tp every rank draws alike)
         self.method = check_method(method)  # the default decode method of generate/stream
         self.cache = KVCache(model.local_config, max_context, model.dtype, model.device)  # (this rank's KV heads)
         self.slot = BatchKVCache.of(self.cache)  # the cache as a batch of one, remembering its conversation for reuse
@@ -78,11 +72,8 @@ class Engine:
 
     @property
     def cpu_tier(self) -> str | None:
-        """The CPU kernel tier this engine's compiled ops run (tr_engine/model/cpu.py: "avx512bf16", "avx2", ...),
-        "reference" when its ops are the pure-PyTorch ones, None off the CPU."""
-        if self.model.device.type != "cpu":
-            return None
-        return cpu.active() if "kernels" in self.ops.kind else "reference"
+        """The CPU kernel tier this engine's ops run ("avx512bf16", "avx2", ..., "reference"; None off the CPU)."""
+        return cpu.tier_of(self.ops, self.model.device)
 
     def drafter(self, method: str):
         """The engine's drafter for `method` (a registered drafter's name), made on first use; the drafters of
@@ -177,16 +168,11 @@ class Engine:
 
     def save_matrix(self, path) -> None:
         """Save the recycling matrix atomically; a MatrixFileError (the old file kept) when it cannot be written."""
-        self.matrix.save(path, self.tokenizer.fingerprint())
+        self.drafting.save_matrix(path, self.tokenizer.fingerprint())
 
     def load_matrix(self, path) -> None:
         """Load a saved recycling matrix (checked: MatrixFileError when it is not one for this model and k)."""
-        loaded = RecyclingMatrix.load(path, self.model.config.vocab_size, self.tokenizer.fingerprint(),
-                                      self.matrix.table.device)
-        if loaded.k != self.matrix.k:
-            raise MatrixFileError(f"{path} keeps {loaded.k} candidates per token but --matrix-k is {self.matrix.k}; "
-                                  "pass the matching --matrix-k or use another --matrix file")
-        self.matrix.copy_(loaded.table, loaded.confidence)
+        self.drafting.load_matrix(path, self.tokenizer.fingerprint())
 
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,
                  method: str | None = None, seed_from_prompt: bool = False, reuse_cache: bool = False,

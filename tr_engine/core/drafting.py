@@ -13,7 +13,7 @@ from tr_engine.core.drafters import DrafterSetup
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.methods import ADAPTIVE, DRAFTERS, drafter_class
 from tr_engine.core.tree import DraftTree, load_tree
-from tr_engine.errors import InvalidType, InvalidValue, UserError
+from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.model.llama import Llama
 
 
@@ -70,6 +70,18 @@ class Drafting:
             self.cost, measured = calibrated(runner, self.cache, self.key, cost_path(self.home, self.key),
                                              self.model.shard, self.matrix_k, notify, recalibrate)
         return self.cost, measured
+
+    def save_matrix(self, path, fingerprint: str) -> None:
+        self.matrix.save(path, fingerprint)
+
+    def load_matrix(self, path, fingerprint: str) -> None:
+        """The saved matrix at `path` in place of this one's (checked: MatrixFileError when it is not a matrix for
+        this model, tokenizer and k)."""
+        loaded = RecyclingMatrix.load(path, self.model.config.vocab_size, fingerprint, self.matrix.table.device)
+        if loaded.k != self.matrix.k:
+            raise MatrixFileError(f"{path} keeps {loaded.k} candidates per token but --matrix-k is {self.matrix.k}; "
+                                  "pass the matching --matrix-k or use another --matrix file")
+        self.matrix.copy_(loaded.table, loaded.confidence)
 
     def use_cost(self, cost: CostModel) -> None:
         if not isinstance(cost, CostModel):

@@ -140,3 +140,11 @@ def active() -> str:
         return _ops().cpu_tier()
     except ImportError:
         return ""
+
+
+def tier_of(ops, device) -> str | None:
+    """The tier an ops namespace runs on `device`: this tier's name for the compiled kernels, "reference" for the
+    pure-PyTorch ops, None off the CPU."""
+    if device.type != "cpu":
+        return None
+    return active() if "kernels" in ops.kind else "reference"

@@ -106,6 +106,14 @@ class Shard:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return float(t)
 
+    def generator(self, seed: int | None) -> torch.Generator:
+        """A random stream seeded by `seed`, or else freshly, alike on every rank (rank 0's seed)."""
+        rng = torch.Generator()
+        if seed is not None:
+            return rng.manual_seed(seed)
+        rng.seed()
+        return rng.manual_seed(self.from_rank0(rng.initial_seed())) if self.world > 1 else rng
+
     def from_rank0(self, obj):
         """Rank 0's `obj` (any picklable value), on every rank."""
         if self.world == 1:
