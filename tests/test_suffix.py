@@ -1,0 +1,159 @@
+"""The suffix index (tr_engine/core/suffix.py): its continuations are what a brute-force scan of the remembered text
+finds, within its bound, across the ring's wrap, and through a save and load; hostile files are refused in one line."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tr_engine.core import suffix
+from tr_engine.core.suffix import ORDER, SEPARATOR, IndexFileError, SuffixIndex
+
+VOCAB = 6  # a small vocabulary: many repeats, long agreements
+
+
+def brute(content: list[int], history: list[int], depth: int, walk: int):
+    """The continuations by a scan of `content` (the ring, oldest first): the newest `walk` positions preceded by the
+    history's last ORDER tokens, those that agree longest with the history, and what followed each."""
+    tail = history[-suffix.MAX_MATCH:]
+    found = [i for i in range(len(content) - 1, ORDER - 1, -1)
+             if content[i - ORDER:i] == history[-ORDER:] and SEPARATOR not in content[i - ORDER:i + 1]][:walk]
+
+    def agree(i):
+        n = 0
+        while n < len(tail) and i - 1 - n >= 0 and content[i - 1 - n] == tail[-1 - n]:
+            n += 1
+        return n
+
+    if not found:
+        return None
+    best = max(agree(i) for i in found)
+    paths = {}
+    for i in (i for i in found if agree(i) == best):
+        path = ()
+        for t in content[i:i + depth]:
+            if t == SEPARATOR:
+                break
+            path += (t,)
+            paths[path] = paths.get(path, 0) + 1
+    return best, sum(1 for i in found if agree(i) == best), paths
+
+
+def as_paths(c):
+    """A Continuations' nodes as {token path from the root: count}."""
+    path_of, out = {0: ()}, {}
+    for node in range(1, len(c.parent)):
+        path_of[node] = path_of[c.parent[node]] + (c.token[node],)
+        out[path_of[node]] = c.count[node]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_continuations_are_a_brute_force_scans_across_the_wrap(seed, monkeypatch):
+    monkeypatch.setattr(suffix, "MAX_WALK", 10**6)  # every occurrence: the scan's answer exactly
+    rng = random.Random(seed)
+    index = SuffixIndex(VOCAB, max_bytes=suffix.BYTES_PER_TOKEN * 1024)
+    for _ in range(60):  # ~3000 tokens through a 1024-token ring: it wraps about three times
+        index.add([rng.randrange(VOCAB) for _ in range(rng.randrange(0, 90))])
+        content = index.content().tolist()
+        assert len(content) == min(index.total, index.capacity)
+        for _ in range(5):
+            history = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))]
+            got, want = index.continuations(history, depth=6), brute(content, history, 6, 10**6)
+            if want is None or len(history) < ORDER:
+                assert got is None
+                continue
+            assert (got.agree, got.matches, as_paths(got)) == want
+            assert got.token[0] == history[-1] and got.count[0] == got.matches
+
+
+def test_a_lookup_walks_only_the_newest_matches(monkeypatch):
+    monkeypatch.setattr(suffix, "MAX_WALK", 3)
+    index = SuffixIndex(100, max_bytes=suffix.BYTES_PER_TOKEN * 2048)
+    for follow in (10, 11, 12, 13, 14):
+        index.add([1, 2, 3, follow])
+    c = index.continuations([7, 1, 2, 3])
+    assert c.matches == 3 and sorted(as_paths(c)) == [(12,), (13,), (14,)]
+
+
+def test_the_index_stays_within_its_bound_and_keeps_the_newest_tokens():
+    index = SuffixIndex(50_000, max_bytes=suffix.BYTES_PER_TOKEN * 4096)
+    assert index.nbytes <= suffix.BYTES_PER_TOKEN * 4096
+    before = index.nbytes
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        index.add(rng.integers(0, 50_000, 700).tolist())
+    last = list(range(9000))  # longer than the ring: its end is kept
+    index.add(last)
+    assert index.nbytes == before
+    assert index.content().tolist() == last[-(index.capacity - 1):] + [SEPARATOR]
+    assert as_paths(index.continuations([8990, 8991, 8992], depth=3)) == {(8993,): 1, (8993, 8994): 1,
+                                                                        (8993, 8994, 8995): 1}
+
+
+def test_nothing_runs_across_requests_and_bad_ids_are_refused():
+    index = SuffixIndex(100, max_bytes=suffix.BYTES_PER_TOKEN * 1024)
+    index.add([1, 2, 3])
+    index.add([4, 5, 6])
+    assert index.continuations([1, 2, 3]) is None  # (3 ended its request: nothing followed it)
+    assert index.continuations([3, 4, 5]) is None  # (no request holds 3, 4, 5 together)
+    assert index.continuations([9, 4, 5]) is None
+    index.add([4, 5, 6, 7])
+    assert as_paths(index.continuations([4, 5, 6])) == {(7,): 1}
+    for bad in ([100], [-1], [5, 1000]):
+        with pytest.raises(ValueError):
+            index.add(bad)
+
+
+def test_save_and_load_give_the_same_drafts(tmp_path):
+    rng = random.Random(1)
+    index = SuffixIndex(VOCAB, max_bytes=suffix.BYTES_PER_TOKEN * 2048)
+    for _ in range(40):
+        index.add([rng.randrange(VOCAB) for _ in range(rng.randrange(0, 90))])
+    index.save(tmp_path / "index.pt", "tok")
+    again = SuffixIndex.load(tmp_path / "index.pt", VOCAB, "tok", max_bytes=suffix.BYTES_PER_TOKEN * 2048)
+    assert again.content().tolist() == index.content().tolist() and again.requests == index.requests
+    for _ in range(50):
+        history = [rng.randrange(VOCAB) for _ in range(10)]
+        a, b = index.continuations(history), again.continuations(history)
+        assert (a is None and b is None) or (as_paths(a), a.agree, a.matches) == (as_paths(b), b.agree, b.matches)
+    smaller = SuffixIndex.load(tmp_path / "index.pt", VOCAB, "tok", max_bytes=suffix.BYTES_PER_TOKEN * 1024)
+    assert len(index.content()) > smaller.capacity  # a file larger than the bound keeps its newest tokens
+    assert smaller.content().tolist() == index.content().tolist()[-smaller.capacity:]
+
+
+def good_state():
+    return {"tokens": torch.tensor([1, 2, 3, SEPARATOR], dtype=torch.int32), "vocab_size": 10,
+            "fingerprint": "tok", "requests": 1}
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda s: s.pop("tokens"), "not a dict with"),
+    (lambda s: s.update(tokens=s["tokens"].long()), "not a 1-D int32"),
+    (lambda s: s.update(tokens=torch.tensor([[1]], dtype=torch.int32)), "not a 1-D int32"),
+    (lambda s: s.update(tokens=torch.tensor([1, 10], dtype=torch.int32)), "outside 0..9"),
+    (lambda s: s.update(tokens=torch.tensor([-2], dtype=torch.int32)), "outside 0..9"),
+    (lambda s: s.update(requests=-1), "requests"),
+    (lambda s: s.update(vocab_size="10"), "vocab_size"),
+    (lambda s: s.update(vocab_size=11), "another vocabulary"),
+    (lambda s: s.update(fingerprint="other"), "another vocabulary"),
+])
+def test_hostile_index_files_are_refused_in_one_line(tmp_path, change, says):
+    state = good_state()
+    change(state)
+    torch.save(state, tmp_path / "bad.pt")
+    with pytest.raises(IndexFileError, match=says) as e:
+        SuffixIndex.load(tmp_path / "bad.pt", 10, "tok", max_bytes=suffix.BYTES_PER_TOKEN * 1024)
+    assert "\n" not in str(e.value)
+
+
+def test_unreadable_index_files_are_refused_in_one_line(tmp_path):
+    (tmp_path / "garbage.pt").write_bytes(b"\x80\x04not a file at all")
+    (tmp_path / "folder.pt").mkdir()
+    for path, says in ((tmp_path / "garbage.pt", "not a valid suffix index"), (tmp_path / "folder.pt", "directory"),
+                       (tmp_path / "missing.pt", "no suffix index")):
+        with pytest.raises(IndexFileError, match=says):
+            SuffixIndex.load(path, 10, "tok")
+    torch.save(good_state(), tmp_path / "ok.pt")
+    assert SuffixIndex.load(tmp_path / "ok.pt", 10, "tok").content().tolist() == [1, 2, 3, SEPARATOR]

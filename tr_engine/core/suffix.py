@@ -1,0 +1,221 @@
+"""A suffix index over everything the engine has decoded: every finished request's prompt and answer, shared by all
+sequences as the recycling matrix is, so that a draft can copy what followed the same words in an earlier request
+(SuffixDecoding, NeurIPS 2025; SAM-Decoding, ACL 2025). Where the matrix remembers one row of candidates per token
+(the last writer wins), the index remembers whole continuations, and how often each followed.
+
+Storage, bounded by a byte budget (max_bytes): a ring of token ids holding the requests end to end, a separator
+after each, the oldest overwritten first; and a hash chain per context of ORDER tokens, as LZ77 compressors find
+earlier matches: head[h] is the latest position whose preceding ORDER tokens hash to h, prev[p] the one before it with
+the same hash. A lookup walks the chain of the history's last ORDER tokens (newest first, at most MAX_WALK links,
+stopping at the first position the ring has overwritten), measures how far back each match agrees with the history
+(up to MAX_MATCH tokens), keeps the matches of the longest agreement (the deepest node of a suffix tree), and counts
+what followed them: a trie of continuations, each node's count the number of matches that continued with its path.
+A node's count over the matches' is its empirical probability; the drafts take the likeliest nodes.
+
+Exactness is not the index's business: its drafts are verified by the model like any other.
+"""
+
+import io
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tr_engine.errors import UserError
+from tr_engine.files import atomic_write, signals_deferred
+
+ORDER = 3  # context tokens a position is indexed under
+MAX_MATCH = 32  # how far back a match's agreement with the history is measured
+MAX_WALK = 64  # chain links followed per lookup (the newest matches first)
+SEPARATOR = -1  # after each request in the ring: no context or continuation runs across it
+DEFAULT_MAX_BYTES = 64 << 20
+BYTES_PER_TOKEN = 20  # the ring (int32), the chain (int64) and at most one head (int64) per position
+_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9], dtype=np.uint64)[:ORDER]
+
+
+class IndexFileError(UserError):
+    """A saved suffix index that cannot be read or written."""
+
+
+@dataclass
+class Continuations:
+    """What followed the matches of a history's suffix: a trie (node 0 the root, the history's last token; each
+    parent before its children), each node with its token and count; `matches` is the root's count, `agree` how many tokens of
+    the history the matches agreed with."""
+
+    parent: list[int]
+    token: list[int]
+    count: list[int]
+    matches: int
+    agree: int
+
+    def probability(self, node: int) -> float:
+        return self.count[node] / self.matches if self.matches else 0.0
+
+
+class SuffixIndex:
+    def __init__(self, vocab_size: int, max_bytes: int = DEFAULT_MAX_BYTES):
+        if type(max_bytes) is not int or max_bytes < BYTES_PER_TOKEN * 1024:
+            raise UserError(f"the suffix index needs at least {BYTES_PER_TOKEN * 1024} bytes, got {max_bytes!r}")
+        self.vocab_size = vocab_size
+        self.capacity = max_bytes // BYTES_PER_TOKEN  # tokens the ring holds
+        self.buckets = 1 << (self.capacity.bit_length() - 1)  # a power of two <= capacity
+        self.tokens = np.full(self.capacity, SEPARATOR, dtype=np.int32)
+        self.prev = np.full(self.capacity, -1, dtype=np.int64)
+        self.head = np.full(self.buckets, -1, dtype=np.int64)
+        self.total = 0  # tokens ever written: the ring holds positions total - capacity .. total - 1
+        self.requests = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.prev.nbytes + self.head.nbytes
+
+    def _hash(self, contexts: np.ndarray) -> np.ndarray:
+        """Bucket of each row of ORDER token ids."""
+        mixed = contexts.astype(np.uint64) * _MIX
+        h = mixed[..., 0]
+        for i in range(1, ORDER):
+            h = h ^ (mixed[..., i] + (h << np.uint64(6)) + (h >> np.uint64(2)))
+        return (h & np.uint64(self.buckets - 1)).astype(np.int64)
+
+    def add(self, ids: list[int]) -> None:
+        """Remember one request's tokens (its prompt and answer), a separator after them."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and not (0 <= ids.min() and ids.max() < self.vocab_size):
+            raise ValueError(f"token ids outside 0..{self.vocab_size - 1}")
+        self._append(np.concatenate([ids[-(self.capacity - 1):], [SEPARATOR]]))
+        self.requests += 1
+
+    def _append(self, seq: np.ndarray) -> None:
+        """Write `seq` (token ids and separators) after what the ring holds and index each position whose ORDER
+        tokens before it lie in `seq`, are no separator, and are followed by a token."""
+        start, n = self.total, len(seq)
+        self.tokens[(start + np.arange(n)) % self.capacity] = seq
+        self.total += n
+        if n <= ORDER:
+            return
+        windows = np.lib.stride_tricks.sliding_window_view(seq, ORDER + 1)  # [n - ORDER, ORDER + 1]: context, next
+        ok = (windows != SEPARATOR).all(axis=1)
+        positions = start + ORDER + np.nonzero(ok)[0]
+        if positions.size == 0:
+            return
+        h = self._hash(windows[ok, :ORDER])
+        order = np.lexsort((positions, h))  # by bucket, then position: each bucket's chain links in order
+        h, positions = h[order], positions[order]
+        first = np.r_[True, h[1:] != h[:-1]]
+        last = np.r_[h[1:] != h[:-1], True]
+        before = np.empty_like(positions)
+        before[1:] = positions[:-1]
+        before[first] = self.head[h[first]]
+        self.prev[positions % self.capacity] = before
+        self.head[h[last]] = positions[last]
+
+    def continuations(self, history: list[int], depth: int = 16) -> Continuations | None:
+        """What followed the longest-agreeing earlier occurrences of the history's end, up to `depth` tokens each, as
+        a trie; None when the index holds no occurrence of its last ORDER tokens."""
+        if len(history) < ORDER or self.total == 0:
+            return None
+        tail = np.asarray(history[-MAX_MATCH:], dtype=np.int64)
+        oldest = self.total - self.capacity
+        q = int(self.head[int(self._hash(tail[-ORDER:][None])[0])])
+        found = []
+        for _ in range(MAX_WALK):
+            if q - ORDER < max(oldest, 0):  # empty, or (partly) overwritten: the rest of the chain is older still
+                break
+            found.append(q)
+            q = int(self.prev[q % self.capacity])
+        if not found:
+            return None
+        found = np.asarray(found)
+        span = len(tail)
+        back = found[:, None] - span + np.arange(span)  # [m, span] the positions that would agree with `tail`
+        seen = self.tokens[back % self.capacity].astype(np.int64)
+        seen[back < max(oldest, 0)] = SEPARATOR
+        same = seen == tail
+        # agreement: the length of the run of equal tokens that ends at each match (a hash collision agrees < ORDER)
+        agree = np.where(same[:, ::-1].all(axis=1), span, np.argmin(same[:, ::-1], axis=1))
+        best = int(agree.max())
+        if best < ORDER:
+            return None
+        found = found[agree == best]
+        ahead = found[:, None] + np.arange(depth)
+        cont = self.tokens[ahead % self.capacity].astype(np.int64)
+        cont[ahead >= self.total] = SEPARATOR
+        parent, token, count = [0], [int(history[-1])], [len(found)]
+        children: list[dict[int, int]] = [{}]
+        for row in cont.tolist():
+            node = 0
+            for t in row:
+                if t == SEPARATOR:
+                    break
+                child = children[node].get(t)
+                if child is None:
+                    child = children[node][t] = len(parent)
+                    parent.append(node)
+                    token.append(t)
+                    count.append(0)
+                    children.append({})
+                count[child] += 1
+                node = child
+        return Continuations(parent, token, count, len(found), best)
+
+    def content(self) -> np.ndarray:
+        """The ring's tokens, oldest first (separators included)."""
+        held = min(self.total, self.capacity)
+        return self.tokens[(self.total - held + np.arange(held)) % self.capacity]
+
+    def save(self, path: str | Path, fingerprint: str) -> None:
+        """Write the index's tokens to `path` atomically (the chains are rebuilt at load); IndexFileError when the
+        file cannot be written (the old one kept)."""
+        state = {"tokens": torch.from_numpy(self.content().copy()), "vocab_size": self.vocab_size,
+                 "fingerprint": fingerprint, "requests": self.requests}
+        buffer = io.BytesIO()
+        try:
+            with signals_deferred():
+                torch.save(state, buffer)
+                atomic_write(path, buffer.getvalue())
+        except OSError as e:
+            raise IndexFileError(f"could not save the suffix index to {path} ({e.strerror or e}); any previous file "
+                                 "there is kept; give it a writable path") from None
+
+    @classmethod
+    def load(cls, path: str | Path, vocab_size: int, fingerprint: str,
+             max_bytes: int = DEFAULT_MAX_BYTES) -> "SuffixIndex":
+        """An index from a file `save` wrote for this vocabulary, checked before use (IndexFileError otherwise); a
+        file larger than `max_bytes` allows keeps its newest tokens."""
+        def bad(what: str) -> IndexFileError:
+            return IndexFileError(f"{path} is not a valid suffix index file ({what}); delete it to start fresh")
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                data = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code runs
+        except FileNotFoundError:
+            raise IndexFileError(f"no suffix index at {path}; leave it out to start from an empty one")
+        except IsADirectoryError:
+            raise IndexFileError(f"{path} is a directory, not a suffix index file")
+        except PermissionError:
+            raise IndexFileError(f"{path} cannot be read (permission denied); fix its permissions or use another "
+                                 "file")
+        except Exception as e:  # corrupt or foreign: torch raises several types
+            raise bad(type(e).__name__) from None
+        if not isinstance(data, dict) or not {"tokens", "vocab_size", "fingerprint", "requests"} <= data.keys():
+            raise bad("not a dict with tokens, vocab_size, fingerprint and requests")
+        tokens = data["tokens"]
+        if type(data["vocab_size"]) is not int or not isinstance(data["fingerprint"], str) \
+                or type(data["requests"]) is not int or data["requests"] < 0:
+            raise bad("its vocab_size, fingerprint or requests are not what save writes")
+        if data["vocab_size"] != vocab_size or data["fingerprint"] != fingerprint:
+            raise IndexFileError(f"{path} was made for another vocabulary ({data['vocab_size']} tokens, tokenizer "
+                                 f"{data['fingerprint']}; this model: {vocab_size}, {fingerprint}); delete it")
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int32 or tokens.dim() != 1:
+            raise bad("its tokens are not a 1-D int32 tensor")
+        if tokens.numel() and not (SEPARATOR <= int(tokens.min()) and int(tokens.max()) < vocab_size):
+            raise bad(f"token ids outside 0..{vocab_size - 1}")
+        index = cls(vocab_size, max_bytes)
+        seq = tokens.numpy().astype(np.int64)[-index.capacity:]
+        index._append(seq)
+        index.requests = data["requests"]
+        return index
