@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from curves import CPU_LIKE, FREE, LINEAR, curve
-from tr_engine.core.adaptive import DEPTHS, EDGES, AdaptiveTrees, ChainStats, ConfidenceStats, confidence_bin
+from tr_engine.core.adaptive import DEPTHS, EDGES, AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, \
+    confidence_bin
 from tr_engine.core.batch import speculative_generate
 from tr_engine.core.cost import BUCKETS, PREFIXES, CostModel, cost_key, cost_path
 from tr_engine.core.decode import plain_generate
 from tr_engine.core.drafters import Hybrid, PromptLookup, TokenRecycling
 from tr_engine.core.matrix import RecyclingMatrix
-from tr_engine.core.tree import build_tree, graft_chain, load_tree
+from tr_engine.core.tree import build_tree, graft, load_tree
 from tr_engine.model.kv_cache import KVCache
 from tr_engine.model.weights import load_model
 
@@ -99,13 +100,14 @@ def trained(trees: AdaptiveTrees, k: int = 8) -> AdaptiveTrees:
 
 
 def plan(trees, m, root=0, prefix=100, chain=(), values=()):
-    return trees.plan(m.table, m.confidence, [root], [prefix], [list(chain)], [list(values)])[0]
+    """One sequence's plan: (tree, the chain tokens it adds: their node indices, 1 the first)."""
+    return trees.plan(m.table, m.confidence, [root], [prefix], [Candidates.chain(root, list(chain), list(values))])[0]
 
 
 def test_trees_follow_the_confident_candidates_and_are_prefix_closed():
     trees = trained(AdaptiveTrees(FREE, max_tokens=32))
     tree, m = plan(trees, sure_chain())
-    assert tree.size == 32 and m == 0  # trees are free: the biggest
+    assert tree.size == 32 and m == []  # trees are free: the biggest
     assert {(0,) * d for d in range(1, 13)} <= set(tree.paths)  # the whole sure chain, to the depth limit
     assert max(map(len, tree.paths)) == AdaptiveTrees.MAX_DEPTH
     assert set(p[:-1] for p in tree.paths if len(p) > 1) <= set(tree.paths)  # every parent is in the tree
@@ -168,7 +170,7 @@ def test_chain_stats_and_chain_length_choice():
     assert v[2] > 0.9 and v[3] < 0.05
     trees = AdaptiveTrees(CPU_LIKE)  # prior rates only, and an empty matrix: no tree worth drafting
     tree, m = plan(trees, matrix_with({}), chain=[40, 41, 42, 43, 44, 45], values=v)
-    assert tree.size == 1 and m == 3  # exactly the chain tokens that pay
+    assert tree.size == 1 and m == [1, 2, 3]  # exactly the chain tokens that pay
 
 
 def test_chain_tokens_the_tree_already_drafts_are_not_charged_twice():
@@ -182,7 +184,7 @@ def test_chain_tokens_the_tree_already_drafts_are_not_charged_twice():
     assert same.size == tree.size and trees.expected == pytest.approx(alone)
     # Counted twice, as before this rule, those three would have looked worth 2.4 more tokens.
     other, k = plan(trees, m, chain=[40, 41, 42], values=[0.9, 0.8, 0.7])  # a chain off the tree: charged
-    assert trees.expected > alone + 1.0 and k >= 1
+    assert trees.expected > alone + 1.0 and len(k) >= 1
 
 
 def test_one_plan_for_one_sequence_or_a_batch():
@@ -209,15 +211,22 @@ def test_one_plan_for_one_sequence_or_a_batch():
     assert [t.size for t, _ in trees.plan(m.table, m.confidence, list(range(6)), [100] * 6)] == [1] * 6
 
 
-def test_graft_chain_buffers():
+def test_graft_buffers():
     tree = build_tree([[0], [1], [0, 0]])
-    g = graft_chain(tree, 2, 3)  # under token index 2 (path [1])
+    g = graft(tree, [2, 4, 5])  # a chain of three under token index 2 (path [1])
     assert g.size == 7
     assert g.parent.tolist() == [0, 0, 0, 1, 2, 4, 5]
     assert g.depth.tolist() == [0, 1, 1, 2, 2, 3, 4]
     assert g.children[2] == (4,) and g.children[4] == (5,) and g.children[6] == ()
     assert g.mask[6].nonzero().flatten().tolist() == [0, 2, 4, 5, 6]
     assert g.levels == tree.levels  # retrieve still expands only the matrix's nodes
+    assert g.paths[3:] == ((1, -1), (1, -1, -1), (1, -1, -1, -1))
+    branched = graft(tree, [0, 0, 4, 1])  # two new children of the root, one under the first, one under a tree node
+    assert branched.parent.tolist()[4:] == [0, 0, 4, 1] and branched.depth.tolist()[4:] == [1, 1, 2, 2]
+    assert branched.paths[3:] == ((-1,), (-2,), (-1, -1), (0, -1)) and branched.children[0] == (1, 2, 4, 5)
+    assert branched.mask[6].nonzero().flatten().tolist() == [0, 4, 6]
+    with pytest.raises(ValueError):
+        graft(tree, [5])
 
 
 def test_hybrid_follows_the_tree_then_grafts_the_rest_of_the_chain():

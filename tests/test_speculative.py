@@ -163,8 +163,8 @@ def test_the_cache_holds_the_committed_tokens_kv_after_every_method(markov, kind
     monkeypatch.setattr(speculative, "compact",
                         lambda cache, path, ops: steps.append(path) or compact(cache, path, ops))
     compose = Hybrid.compose
-    monkeypatch.setattr(Hybrid, "compose", lambda self, history, tree, chain, found:
-                        bases.append(tree.size) or compose(self, history, tree, chain, found))
+    monkeypatch.setattr(Hybrid, "compose", lambda self, history, tree, *rest:
+                        bases.append(tree.size) or compose(self, history, tree, *rest))
     drafter = pinned_drafter(kind, markov.config.vocab_size)
     reference_cache = KVCache(markov.config, 512, torch.float64, "cpu")
     for i, prompt in enumerate(markov_prompts(6)):

@@ -17,13 +17,15 @@ the drafter), and stops at the size that maximises expected tokens / cost(size),
 step when nothing pays. One sequence or a batch is the same plan: a batched step's sequences share one forward, so
 their candidates compete for its tokens.
 
-Prompt lookup's chain (hybrid drafting) enters the same sum: its j-th token is right with the product of the first j
-per-position rates that `ChainStats` learns; chain tokens that follow the tree's own nodes are the same nodes (no
-cost, no extra tokens), and chain tokens compete with the tree's nodes for the step's size.
+Candidates from outside the matrix (hybrid drafting: prompt lookup's chain, whose j-th token is right with the
+product of the first j per-position rates that `ChainStats` learns, and the suffix index's continuations) enter the
+same sum as a trie under the root (`Candidates`): a candidate that follows the tree's own nodes is the same node (no
+cost, no extra token), and the others compete with the tree's nodes for the step's size.
 """
 
 import heapq
 from bisect import bisect_right
+from dataclasses import dataclass
 
 from tr_engine.core.cost import BUCKETS, CostModel
 from tr_engine.core.tree import DraftTree, build_tree
@@ -94,6 +96,52 @@ class ChainStats:
             p *= (self.hits[j] + 1.0) / (self.tries[j] + 2.0)
             out.append(p)
         return out
+
+
+@dataclass
+class Candidates:
+    """One sequence's draft candidates from outside the matrix: a trie under the root (node 0, the last committed
+    token; each parent before its children), `value[i]` the estimated probability that node i's whole path is right
+    (never above its parent's)."""
+
+    parent: list[int]
+    token: list[int]
+    value: list[float]
+
+    @classmethod
+    def chain(cls, root: int, tokens: list[int], values: list[float]) -> "Candidates":
+        """A chain of `tokens` under `root`, its j-th token's whole path right with `values[j]`."""
+        return cls([0] + list(range(len(tokens))), [root] + list(tokens), [1.0] + list(values))
+
+    def merged(self, other: "Candidates") -> "Candidates":
+        """Both tries in one: a path in both is one node, worth the larger of its two values."""
+        parent, token, value = list(self.parent), list(self.token), list(self.value)
+        kids = self.children()
+        where = [0] * len(other.parent)
+        for i in range(1, len(other.parent)):
+            up = where[other.parent[i]]
+            node = kids[up].get(other.token[i])
+            if node is None:
+                node = kids[up][other.token[i]] = len(parent)
+                parent.append(up)
+                token.append(other.token[i])
+                value.append(0.0)
+                kids.append({})
+            value[node] = max(value[node], other.value[i])
+            where[i] = node
+        for i in range(1, len(parent)):  # (a child is never worth more than its parent)
+            value[i] = min(value[i], value[parent[i]])
+        return Candidates(parent, token, value)
+
+    def children(self) -> list[dict[int, int]]:
+        """Per node, its children by token."""
+        kids = [{} for _ in self.parent]
+        for i in range(1, len(self.parent)):
+            kids[self.parent[i]][self.token[i]] = i
+        return kids
+
+
+NO_CANDIDATES = Candidates([0], [0], [1.0])
 
 
 class StepTimes:
@@ -180,29 +228,29 @@ class AdaptiveTrees:
         if not self.pinned:
             self.times.observe(tokens, prefix, self.shard.agree(seconds))
 
-    def plan(self, table, confidence, roots: list[int], prefixes: list[int], chains: list[list[int]] = None,
-             chain_values: list[list[float]] = None) -> list[tuple[DraftTree, int]]:
-        """One step's trees, one per sequence (one or many), and how many tokens of its prompt-lookup chain each
-        adds (`chains`, with the path probabilities `chain_values` of their tokens), maximising the step's expected
-        committed tokens over the cost of one forward of all their tokens. `table`, `confidence`: the matrix's
-        [V, k] ids and confidences.
+    def plan(self, table, confidence, roots: list[int], prefixes: list[int],
+             extras: list[Candidates] | None = None) -> list[tuple[DraftTree, list[int]]]:
+        """One step's trees, one per sequence (one or many), and which of its candidates from outside the matrix
+        (`extras`, a trie each: Candidates) each adds, maximising the step's expected committed tokens over the cost
+        of one forward of all their tokens. `table`, `confidence`: the matrix's [V, k] ids and confidences. Returns
+        (tree, the chosen extra nodes in index order: parents first) per sequence.
 
         Best-first expansion: a node's probability is its parent's times the rate of its confidence bin at its
         depth, so the n most probable nodes form a tree (a child is never above its parent), and a sequence's
         expected tokens are 1 (the bonus token) plus its nodes' probabilities. Every sequence's candidates (its
-        tree's nodes and its chain's tokens) come off one heap, most probable first across the batch, so each
-        sequence drafts what its candidates are worth against the others'. A chain token the tree drafts too (or
-        the other way round) is one node: the second of the two adds neither a token nor a probability. The cost of
-        n tokens is the curve's at the batch's mean prefix and the smallest measured size holding them: a step runs
-        padded to that size under CUDA graphs, and on a CPU the kernels' cost moves in steps of their row tiles
-        (bench/results/forward_cost_*.md), which a line between two sizes would underprice. Candidates are taken while
-        a bigger step could still beat the best so far; a batch of more than one drafts only if its best plan beats
-        plain decoding by BATCH_MARGIN."""
+        tree's nodes and its extra ones) come off one heap, most probable first across the batch, so each sequence
+        drafts what its candidates are worth against the others'. An extra candidate the tree drafts too (the same
+        token under the same path) is one node: the second of the two adds neither a token nor a probability. The
+        cost of n tokens is the curve's at the batch's mean prefix and the smallest measured size holding them: a
+        step runs padded to that size under CUDA graphs, and on a CPU the kernels' cost moves in steps of their row
+        tiles (bench/results/forward_cost_*.md), which a line between two sizes would underprice. Candidates are
+        taken while a bigger step could still beat the best so far; a batch of more than one drafts only if its
+        best plan beats plain decoding by BATCH_MARGIN."""
         if self._since >= self.refresh:
             self._rates, self._since = self.stats.rates(), 0
         rates, B = self._rates, len(roots)
-        chains = chains or [[] for _ in roots]
-        chain_values = chain_values or [[] for _ in roots]
+        extras = extras or [NO_CANDIDATES] * B
+        kids = [x.children() for x in extras]
         curve = self.times.curve(sum(prefixes) // B)
         sizes = [T for T in self.buckets if T in curve]  # a curve measured in a small cache stops early
 
@@ -210,40 +258,46 @@ class AdaptiveTrees:
             T = next((T for T in sizes if T >= n), None)
             return curve[T] if T is not None else curve[sizes[-1]] * n / sizes[-1]
 
-        heap = []  # (-probability, sequence, tie-breaker, node): a tree node (path, token) or a chain position
+        heap = []  # (-probability, sequence, tie-breaker, node): a tree node (path, token) or an extra node's index
 
         def expand(b: int, token: int, path: tuple, p: float) -> None:
             d = min(len(path), DEPTHS - 1)
             for r, (child, c) in enumerate(zip(table[token].tolist(), confidence[token].tolist())):
                 heapq.heappush(heap, (-p * rates[d][confidence_bin(c)], b, len(heap), (path + (r,), child)))
 
+        def offer(b: int, node: int) -> None:
+            for child in kids[b][node].values():
+                heapq.heappush(heap, (-extras[b].value[child], b, len(heap), child))
+
         for b, root in enumerate(roots):
             expand(b, root, (), 1.0)
-            if chains[b]:
-                heapq.heappush(heap, (-chain_values[b][0], b, len(heap), 0))
-        on_chain = [[] for _ in roots]  # on_chain[b][d]: the path of b's tree node drafting chains[b][:d + 1]
-        chained = [0] * B  # chain tokens taken
+            offer(b, 0)
+        # The pairs of one node drafted by both sources: extra node <-> tree path (the roots: 0 <-> ()); and what
+        # each source took so far.
+        path_of, extra_of = [{0: ()} for _ in roots], [{(): 0} for _ in roots]
+        taken_extra, taken_tree = [set() for _ in roots], [{} for _ in roots]  # {(parent path, token): path}
         taken, total, expected = [], B, float(B)
         margin = self.BATCH_MARGIN if B > 1 else 0.0
         best, best_value, self.expected = 0, B / cost(B) * (1 + margin), float(B)
         while heap and total < sizes[-1]:
             neg, b, _, node = heapq.heappop(heap)
             taken.append((b, node))
-            if isinstance(node, int):  # a chain token: the next one becomes a candidate
-                if node + 1 < len(chains[b]):
-                    heapq.heappush(heap, (-chain_values[b][node + 1], b, len(heap), node + 1))
-                twin = len(on_chain[b]) > node
-                chained[b] += 1
+            if isinstance(node, int):  # an extra node: its children become candidates
+                offer(b, node)
+                up = path_of[b].get(extras[b].parent[node])
+                path = None if up is None else taken_tree[b].get((up, extras[b].token[node]))
+                twin = path is not None
+                taken_extra[b].add(node)
             else:
                 path, token = node
-                d = len(path) - 1
-                twin = False
-                if d == len(on_chain[b]) and d < len(chains[b]) and token == chains[b][d] \
-                        and path[:-1] == (on_chain[b][-1] if d else ()):
-                    on_chain[b].append(path)
-                    twin = chained[b] > d
+                taken_tree[b][(path[:-1], token)] = path
+                up = extra_of[b].get(path[:-1])
+                node = None if up is None else kids[b][up].get(token)
+                twin = node is not None and node in taken_extra[b]
                 if len(path) < self.MAX_DEPTH:
                     expand(b, token, path, -neg)
+            if node is not None and path is not None:
+                path_of[b][node], extra_of[b][path] = path, node
             if not twin:
                 total, expected = total + 1, expected - neg
             if expected / cost(total) > best_value:
@@ -251,13 +305,13 @@ class AdaptiveTrees:
             top = -heap[0][0] if heap else 0.0  # no bigger step can win once even the best candidates cannot
             if all((expected + top * (U - total)) / cost(U) <= best_value for U in sizes if U > total):
                 break
-        paths, chained = [[] for _ in roots], [0] * B
+        paths, chosen = [[] for _ in roots], [[] for _ in roots]
         for b, node in taken[:best]:
             if isinstance(node, int):
-                chained[b] += 1
+                chosen[b].append(node)
             else:
                 paths[b].append(node[0])
-        return [(self.tree(tuple(p)), m) for p, m in zip(paths, chained)]
+        return [(self.tree(tuple(p)), sorted(c)) for p, c in zip(paths, chosen)]
 
     def tree(self, paths: tuple) -> DraftTree:
         """The tree of these rank paths (built once, kept while few enough shapes recur)."""

@@ -27,9 +27,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from tr_engine.core.adaptive import AdaptiveTrees, ChainStats
+from tr_engine.core.adaptive import AdaptiveTrees, Candidates, ChainStats
 from tr_engine.core.matrix import RecyclingMatrix
-from tr_engine.core.tree import DraftTree, chain_tree, graft_chain
+from tr_engine.core.tree import DraftTree, chain_tree, graft
 
 
 @dataclass
@@ -95,10 +95,11 @@ class TokenRecycling:
         plans = self.adaptive.plan(table, confidence, [h[-1] for h in histories], [len(h) for h in histories])
         return [self.draft(h, tree) for h, (tree, _) in zip(histories, plans)]
 
-    def plan(self, history: list[int], chain: list[int] = (), chain_values: list[float] = ()) -> tuple[DraftTree, int]:
-        """The adaptive tree for this step (from the root's candidates in the matrix) and the chain tokens to add."""
+    def plan(self, history: list[int], extra: Candidates | None = None) -> tuple[DraftTree, list[int]]:
+        """The adaptive tree for this step (from the root's candidates in the matrix) and the nodes of `extra`
+        (candidates from outside the matrix) to add."""
         table, confidence = self.matrix.host()  # (on a GPU a CPU mirror: the plan reads many rows)
-        return self.adaptive.plan(table, confidence, [history[-1]], [len(history)], [chain], [chain_values])[0]
+        return self.adaptive.plan(table, confidence, [history[-1]], [len(history)], extra and [extra])[0]
 
     def draft(self, history: list[int], tree: DraftTree) -> Draft:
         root = torch.tensor(history[-1], device=self.matrix.table.device)
@@ -193,46 +194,56 @@ class Hybrid:
         return self.tr.matrix
 
     def propose(self, history: list[int]) -> Draft:
-        chain = found = self.lookup.lookup(history)
+        found = self.lookup.lookup(history)
+        extra = self.candidates(history, found)
         if self.tr.adaptive is not None:
-            tree, m = self.tr.plan(history, chain, self.chain_stats.values(len(chain)))
-            chain = chain[:m]
-        else:
-            tree = self.tr.tree
-        return self.compose(history, tree, chain, found)
+            tree, chosen = self.tr.plan(history, extra)
+        else:  # the static tree, every candidate added
+            tree, chosen = self.tr.tree, list(range(1, len(extra.parent)))
+        return self.compose(history, tree, extra, chosen, found)
 
     def propose_batch(self, histories: list[list[int]]) -> list[Draft]:
-        """One batched step's drafts: with the adaptive tree, trees and chain lengths planned together."""
+        """One batched step's drafts: with the adaptive tree, trees and extra candidates planned together."""
         if self.tr.adaptive is None:
             return [self.propose(h) for h in histories]
         found = [self.lookup.lookup(h) for h in histories]
+        extras = [self.candidates(h, f) for h, f in zip(histories, found)]
         table, confidence = self.matrix.host()
-        plans = self.tr.adaptive.plan(table, confidence, [h[-1] for h in histories],
-                                            [len(h) for h in histories], found,
-                                            [self.chain_stats.values(len(f)) for f in found])
-        return [self.compose(h, tree, f[:m], f) for h, f, (tree, m) in zip(histories, found, plans)]
+        plans = self.tr.adaptive.plan(table, confidence, [h[-1] for h in histories], [len(h) for h in histories],
+                                      extras)
+        return [self.compose(h, tree, x, chosen, f) for h, f, x, (tree, chosen) in zip(histories, found, extras, plans)]
 
-    def compose(self, history: list[int], tree: DraftTree, chain: list[int], found: list[int]) -> Draft:
-        """The draft of `tree` from the matrix with `chain` (the first tokens of the lookup's `found`) grafted in."""
+    def candidates(self, history: list[int], found: list[int]) -> Candidates:
+        """This step's candidates from outside the matrix: prompt lookup's chain, each token valued by the chain's
+        observed acceptance."""
+        return Candidates.chain(history[-1], found, self.chain_stats.values(len(found)))
+
+    def compose(self, history: list[int], tree: DraftTree, extra: Candidates, chosen: list[int],
+                found: list[int]) -> Draft:
+        """The draft of `tree` from the matrix with the `chosen` nodes of `extra` (parents first) grafted in: each
+        follows the tree while the tree already drafts its token, and hangs under its parent where it does not."""
         draft = replace(self.tr.draft(history, tree), chain=found)
-        if not chain:
-            return draft
-        tokens = draft.tokens.tolist()
-        node, j = 0, 0
-        while j < len(chain):  # follow the tree while it already drafts the chain's tokens
-            child = tree.child(node, tokens, chain[j])
+        tokens, n = draft.tokens.tolist(), tree.size
+        at, parents, new, added = {0: 0}, [], [], {}  # extra node -> token index; the grafted nodes
+        for i in chosen:
+            up, token = at[extra.parent[i]], extra.token[i]
+            child = tree.child(up, tokens, token) if up < n else None
             if child is None:
-                break
-            node, j = child, j + 1
-        if j == len(chain):
+                child = added.get((up, token))
+            if child is None:
+                child = added[(up, token)] = n + len(parents)
+                parents.append(up)
+                new.append(token)
+            at[i] = child
+        if not parents:
             return draft
-        key = (tree.paths, node, len(chain) - j)
+        key = (tree.paths, tuple(parents))
         grafted = self._grafted.get(key)
         if grafted is None:
             if len(self._grafted) > 1024:
                 self._grafted.clear()
-            grafted = self._grafted[key] = graft_chain(tree, node, len(chain) - j)
-        rest = torch.tensor(chain[j:], dtype=torch.long, device=draft.tokens.device)
+            grafted = self._grafted[key] = graft(tree, parents)
+        rest = torch.tensor(new, dtype=torch.long, device=draft.tokens.device)
         return replace(draft, tree=grafted, tokens=torch.cat([draft.tokens, rest]))
 
     def learn(self, draft: Draft, committed: list[int], seconds: float = 0.0) -> None:

@@ -29,7 +29,7 @@ class Drafting:
         if tree != ADAPTIVE and self.tree.size >= cache.capacity:  # near the end a tree is cut to fit; not all of it
             raise InvalidValue(f"the draft tree verifies {self.tree.size} tokens a step but the cache holds only "
                                f"{cache.capacity}; use a smaller --tree or raise --max-context")
-        self.cost: CostModel | None = None  # the curve the adaptive trees are priced by (measured or loaded at first use)
+        self.cost: CostModel | None = None  # what prices the adaptive trees (measured or loaded at first use)
         self.drafters = {}  # method -> its drafter on the shared matrix (drafter())
 
     def drafter(self, method: str):

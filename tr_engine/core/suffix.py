@@ -42,8 +42,8 @@ class IndexFileError(UserError):
 @dataclass
 class Continuations:
     """What followed the matches of a history's suffix: a trie (node 0 the root, the history's last token; each
-    parent before its children), each node with its token and count; `matches` is the root's count, `agree` how many tokens of
-    the history the matches agreed with."""
+    parent before its children), each node with its token and count; `matches` is the root's count, `agree` how
+    many tokens of the history the matches agreed with."""
 
     parent: list[int]
     token: list[int]

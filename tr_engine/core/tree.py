@@ -111,27 +111,33 @@ def sample_tree_mask(T: int) -> torch.Tensor:
     return ancestor_mask([0] + [(i - 1) // 4 for i in range(1, T)])
 
 
-def graft_chain(tree: DraftTree, at: int, length: int) -> DraftTree:
-    """`tree` with a chain of `length` new nodes under token index `at`, appended after its nodes (hybrid drafting:
-    a prompt-lookup continuation hung on the matrix's tree). The chain's nodes are not matrix candidates: their rank
-    is -1 and their path ends in -1s, and `levels` still covers only the matrix's nodes (what retrieve expands)."""
-    n = tree.size
-    parent = tree.parent.tolist() + [at] + list(range(n, n + length - 1))
-    depth0 = int(tree.depth[at])
+def graft(tree: DraftTree, parents: list[int]) -> DraftTree:
+    """`tree` with new nodes appended after its nodes, the i-th under token index `parents[i]` (a node of the tree,
+    or an earlier new one): hybrid drafting's candidates from outside the matrix (prompt lookup's chain, the suffix
+    index's continuations) hung on the matrix's tree. They are not matrix candidates: their rank is -1, their paths
+    end in negative ranks (-1 for a parent's first new child, -2 for its second, ...), and `levels` still covers only
+    the matrix's nodes (what retrieve expands)."""
+    n, length = tree.size, len(parents)
+    parent = tree.parent.tolist() + list(parents)
+    depth = tree.depth.tolist()
     mask = torch.zeros(n + length, n + length, dtype=torch.bool)
     mask[:n, :n] = tree.mask.cpu()
-    for i in range(n, n + length):
-        mask[i] = mask[parent[i]]
-        mask[i, i] = True
-    base = tree.paths[at - 1] if at else ()
-    paths = tree.paths + tuple(base + (-1,) * d for d in range(1, length + 1))
     children = [list(c) for c in tree.children] + [[] for _ in range(length)]
+    paths = list(tree.paths)
+    grafted = [0] * (n + length)  # new children so far, per token index
     for i in range(n, n + length):
-        children[parent[i]].append(i)
+        up = parent[i]
+        if not 0 <= up < i:
+            raise ValueError(f"a grafted node's parent must come before it: node {i}, parent {up}")
+        mask[i] = mask[up]
+        mask[i, i] = True
+        depth.append(depth[up] + 1)
+        children[up].append(i)
+        grafted[up] += 1
+        paths.append((paths[up - 1] if up else ()) + (-grafted[up],))
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    out = DraftTree(paths, as_long(parent), as_long(tree.rank.tolist() + [-1] * length),
-                    as_long(tree.depth.tolist() + list(range(depth0 + 1, depth0 + length + 1))), mask, tree.levels,
-                    tuple(map(tuple, children)))
+    out = DraftTree(tuple(paths), as_long(parent), as_long(tree.rank.tolist() + [-1] * length), as_long(depth),
+                    mask, tree.levels, tuple(map(tuple, children)))
     return out.to(tree.parent.device)
 
 
