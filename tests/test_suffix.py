@@ -157,3 +157,51 @@ def test_unreadable_index_files_are_refused_in_one_line(tmp_path):
             SuffixIndex.load(path, 10, "tok")
     torch.save(good_state(), tmp_path / "ok.pt")
     assert SuffixIndex.load(tmp_path / "ok.pt", 10, "tok").content().tolist() == [1, 2, 3, SEPARATOR]
+
+
+# --- hybrid drafting from the index -----------------------------------------------------------------------------
+
+
+def test_hybrid_grafts_the_index_branches_under_the_tree():
+    from tr_engine.core.drafters import Hybrid, PromptLookup, TokenRecycling
+    from tr_engine.core.matrix import RecyclingMatrix
+    from tr_engine.core.tree import build_tree
+
+    matrix = RecyclingMatrix(20, 2)
+    matrix.table[3] = torch.tensor([4, 5])  # the tree drafts 3 -> 4, 5
+    index = SuffixIndex(20, max_bytes=suffix.BYTES_PER_TOKEN * 1024)
+    index.add([1, 2, 3, 4, 6, 7])  # two earlier requests continued "1 2 3" with 4 6 7 and 9 9
+    index.add([1, 2, 3, 9, 9])
+    hybrid = Hybrid(TokenRecycling(matrix, build_tree([[0], [1]])), PromptLookup("cpu", length=4), index)
+    draft = hybrid.propose([8, 1, 2, 3])  # (static tree: every candidate joins)
+    # (the newest match first:) 9 9 hang under the root; 4 is the tree's own node, so 6 7 hang under it
+    assert draft.tokens.tolist() == [3, 4, 5, 9, 9, 6, 7]
+    assert draft.tree.parent.tolist() == [0, 0, 0, 0, 3, 1, 5]
+    hybrid.learn(draft, [4, 6, 7, 11])  # the index's first branch came true
+    assert hybrid.suffix_stats.tries[0] != [0.0] * len(hybrid.suffix_stats.tries[0])
+    hybrid.remember([5, 5, 5])
+    assert index.requests == 3
+
+
+def test_hybrid_with_an_index_is_plain_decoding_and_drafts_earlier_answers(tiny_factory):
+    """Lossless alone and in a batch, and the index pays: asked again, a prompt's answer is drafted from the first
+    time's, many tokens a step (a random tiny model, where the matrix and prompt lookup draft little)."""
+    from curves import FREE
+
+    from tr_engine.engine import Engine
+
+    engine = Engine.from_pretrained(str(tiny_factory("suffix", dtype=torch.float64, vocab_size=300)), dtype="float64")
+    prompts = ["the cat sat on the mat", "one two three four", "hello there, how are you"]
+    plain = [engine.generate(p, max_new_tokens=40, method="ar").token_ids for p in prompts]
+    index = SuffixIndex(engine.model.config.vocab_size, max_bytes=suffix.BYTES_PER_TOKEN * 4096)
+    drafter = engine.new_drafter("hybrid", cost=FREE, suffix=index)
+    first = [engine.generate(p, max_new_tokens=40, drafter=drafter) for p in prompts]
+    assert [g.token_ids for g in first] == plain and index.requests == 3
+    again = [engine.generate(p, max_new_tokens=40, drafter=drafter) for p in prompts]
+    assert [g.token_ids for g in again] == plain
+    steps = lambda gens: sum(g.generation.steps for g in gens)  # noqa: E731
+    assert steps(again) * 3 <= steps(first)  # the whole answer was in the index
+    batch = engine.new_drafter("hybrid", cost=FREE, suffix=index)
+    engine.drafting.drafters["hybrid"] = batch  # (generate_batch decodes with the engine's own drafter)
+    assert [r.token_ids for r in engine.generate_batch(prompts, max_new_tokens=40, method="hybrid")] == plain
+    assert index.requests == 9

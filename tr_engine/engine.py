@@ -19,6 +19,7 @@ from tr_engine.core.generation import GenerateResult, Generation, failed, run_to
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.methods import ADAPTIVE, AR, DEFAULT_METHOD, check_method
 from tr_engine.core.sampling import GREEDY, Sampler, Sampling, sampling_of
+from tr_engine.core.suffix import SuffixIndex
 from tr_engine.errors import InvalidType, InvalidValue, UserError
 from tr_engine.model import cpu, parallel
 from tr_engine.model.device import check_cuda_graphs, check_device
@@ -40,7 +41,7 @@ class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, tree: str = ADAPTIVE,
                  matrix_k: int = 8, method: str = DEFAULT_METHOD, seed: int | None = None,
                  cuda_graphs: bool | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                 batch_context: int | None = None):
+                 batch_context: int | None = None, suffix_bytes: int = 0):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
         # The ops (tr_engine.model.ops), one namespace for the model, the matrix and the decode loop: the model's.
         self.ops = model.ops
@@ -57,7 +58,7 @@ class Engine:
         # curve that prices them, and the drafter of each method (tr_engine/core/drafting.py).
         key = cost_key(folder.name, model.dtype, model.device, self.ops.kind, self.cuda_graphs, model.shard.world,
                        self.cpu_tier if "kernels" in self.ops.kind else None)
-        self.drafting = Drafting(model, self.cache, key, home(), tree, matrix_k)
+        self.drafting = Drafting(model, self.cache, key, home(), tree, matrix_k, suffix_bytes)
         self.matrix, self.tree, self.tree_spec = self.drafting.matrix, self.drafting.tree, tree
         self.runner = model
         if self.cuda_graphs:
@@ -81,13 +82,14 @@ class Engine:
         return self.drafting.drafter(method)
 
     def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None,
-                    cost: CostModel | None = None, max_tokens: int = BUCKETS[-1]):
+                    cost: CostModel | None = None, max_tokens: int = BUCKETS[-1], suffix: SuffixIndex | None = None):
         """A drafter for `method` (tr, pld, hybrid, or any registered since: tr_engine.core.methods) with the engine's
-        tree setting or `tree` ("adaptive", "2.2.2", a file), drafting from `matrix` (default: a new, empty one).
+        tree setting or `tree` ("adaptive", "2.2.2", a file), drafting from `matrix` (default: a new, empty one) and,
+        for hybrid, from the suffix index `suffix` (tr_engine/core/suffix.py; default: none).
         Pass it to generate/stream as `drafter=` to run several configurations side by side on one model, each with
         its own state (the benchmarks do). An adaptive tree prices its sizes with the engine's measured curve, or
         with `cost` pinned (CostModel.flat, say), and verifies at most `max_tokens` tokens."""
-        return self.drafting.new_drafter(method, tree, matrix, cost, max_tokens)
+        return self.drafting.new_drafter(method, tree, matrix, cost, max_tokens, suffix)
 
     def cost_model(self, recalibrate: bool = False) -> CostModel:
         """The verify cost curve of this model, dtype, device, kernel tier and thread count (tr_engine/core/cost.py):
@@ -125,6 +127,7 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         tp: int = 1,
         progress=None,
+        suffix_bytes: int = 0,
     ) -> "Engine":
         if not isinstance(name_or_path, (str, Path)):
             raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
@@ -159,7 +162,8 @@ class Engine:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
         return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), str(tree), matrix_k,
-                   method, seed, False if tp > 1 else cuda_graphs, max_batch, max_context)
+                   method, seed, False if tp > 1 else cuda_graphs, max_batch, max_context,
+                   checks.integer(suffix_bytes, "suffix_bytes", 0))
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages

@@ -153,11 +153,15 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
         active[r.id] = r
         return Event(r.id, [first])
 
+    remember = getattr(drafter, "remember", None)  # a drafter that learns from whole sequences (a suffix index)
+
     def finish(r: Request) -> Generation:
         view = cache.view(r.slot)  # the cache keeps the sequence only: every committed token but the last
         view.length = min(view.length, len(r.history) - 1)
         cache.give_back(r.slot, r.history)
         del active[r.id]
+        if remember is not None:
+            remember(r.history)
         return r.generation(ends(r))
 
     ended = False

@@ -16,7 +16,8 @@ Everything a step's later calls need from its proposal travels in the Draft, nev
 serves many sequences at once (tr_engine/core/batch.py). A drafter may also offer propose_batch(histories) -> Drafts,
 one step's drafts for several sequences planned together (the adaptive tree splits one forward's budget among them), and
 recycle_batch(drafts, logits), their recycles in one update; without them, each sequence proposes and recycles alone.
-And it may offer `top_k` (the k its recycling needs: 1 for none) and recycle_top(draft, values, ids), the recycle
+It may offer remember(ids), handed each finished sequence (its prompt and answer: hybrid's suffix index learns
+from them). And it may offer `top_k` (the k its recycling needs: 1 for none) and recycle_top(draft, values, ids), the recycle
 from each node's top-k alone (values and ids [n+1, top_k], best first): a greedy step under tensor parallelism then
 merges just those from the ranks' columns of the logits (tr_engine/model/parallel.py) instead of gathering whole rows.
 """
@@ -27,8 +28,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from tr_engine.core.adaptive import AdaptiveTrees, Candidates, ChainStats
+from tr_engine.core.adaptive import AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, DEPTHS, confidence_bin
 from tr_engine.core.matrix import RecyclingMatrix
+from tr_engine.core.suffix import Continuations, SuffixIndex
 from tr_engine.core.tree import DraftTree, chain_tree, graft
 
 
@@ -39,15 +41,17 @@ class Draft:
     root: int = 0  # the root's token: the last one committed
     prefix: int = 0  # tokens before this step (the context so far)
     chain: list[int] = field(default_factory=list)  # the chain prompt lookup found (hybrid), before any cut
+    suffix: Continuations | None = None  # what the suffix index offered (hybrid with an index), before any cut
 
 
 class DrafterSetup:
-    """What the engine offers a drafter's build: the device, the static tree (DraftTree), and, made on first use, the
-    recycling matrix and the adaptive tree's planner (None for a static tree)."""
+    """What the engine offers a drafter's build: the device, the static tree (DraftTree), the suffix index of
+    everything decoded so far (None when the engine keeps none), and, made on first use, the recycling matrix and the
+    adaptive tree's planner (None for a static tree)."""
 
     def __init__(self, device: torch.device, tree: DraftTree, matrix: Callable[[], RecyclingMatrix],
-                 adaptive: Callable[[], AdaptiveTrees | None]):
-        self.device, self.tree, self._matrix, self._adaptive = device, tree, matrix, adaptive
+                 adaptive: Callable[[], AdaptiveTrees | None], suffix: SuffixIndex | None = None):
+        self.device, self.tree, self._matrix, self._adaptive, self.suffix = device, tree, matrix, adaptive, suffix
 
     @cached_property
     def matrix(self) -> RecyclingMatrix:
@@ -169,21 +173,26 @@ class PromptLookup:
 
 
 class Hybrid:
-    """Token Recycling's tree with prompt lookup's chain merged in: the chain follows the tree's nodes while their
-    tokens agree and hangs its remaining tokens under the last one, so copy-heavy text gets long copied branches and
-    everything else keeps the matrix's drafts. With an adaptive tree the chain's length is chosen with the tree's
-    size, by the same expected-tokens-per-cost rule; otherwise the whole chain is added to the static tree."""
+    """Token Recycling's tree with the candidates of prompt lookup and, where the engine keeps one, of the suffix index
+    merged in: each follows the tree's nodes while their tokens agree and hangs the rest under the last one, so
+    copy-heavy text (the prompt's, or what earlier requests answered) gets long copied branches and everything else
+    keeps the matrix's drafts. With an adaptive tree, which candidates join is chosen with the tree's size, by the
+    same expected-tokens-per-cost rule, each source's candidates valued by the acceptance it has shown (ChainStats for
+    prompt lookup's chain; for the index's continuations, the rate of their empirical probability's bin, learned as the
+    matrix's confidences are); otherwise every candidate is added to the static tree."""
 
     name = "hybrid"
+    SUFFIX_DEPTH = 16  # the longest continuation taken from the index
 
-    def __init__(self, tr: TokenRecycling, lookup: PromptLookup):
-        self.tr, self.lookup = tr, lookup
+    def __init__(self, tr: TokenRecycling, lookup: PromptLookup, suffix: SuffixIndex | None = None):
+        self.tr, self.lookup, self.suffix = tr, lookup, suffix
         self.chain_stats = ChainStats(lookup.length)
+        self.suffix_stats = ConfidenceStats()
         self._grafted: dict[tuple, DraftTree] = {}
 
     @classmethod
     def build(cls, setup: DrafterSetup) -> "Hybrid":
-        return cls(TokenRecycling.build(setup), PromptLookup.build(setup))
+        return cls(TokenRecycling.build(setup), PromptLookup.build(setup), setup.suffix)
 
     @property
     def adaptive(self) -> AdaptiveTrees | None:
@@ -194,29 +203,46 @@ class Hybrid:
         return self.tr.matrix
 
     def propose(self, history: list[int]) -> Draft:
-        found = self.lookup.lookup(history)
-        extra = self.candidates(history, found)
+        found, offered = self.lookup.lookup(history), self.offered(history)
+        extra = self.candidates(history, found, offered)
         if self.tr.adaptive is not None:
             tree, chosen = self.tr.plan(history, extra)
         else:  # the static tree, every candidate added
             tree, chosen = self.tr.tree, list(range(1, len(extra.parent)))
-        return self.compose(history, tree, extra, chosen, found)
+        return replace(self.compose(history, tree, extra, chosen, found), suffix=offered)
 
     def propose_batch(self, histories: list[list[int]]) -> list[Draft]:
         """One batched step's drafts: with the adaptive tree, trees and extra candidates planned together."""
         if self.tr.adaptive is None:
             return [self.propose(h) for h in histories]
         found = [self.lookup.lookup(h) for h in histories]
-        extras = [self.candidates(h, f) for h, f in zip(histories, found)]
+        offered = [self.offered(h) for h in histories]
+        extras = [self.candidates(h, f, o) for h, f, o in zip(histories, found, offered)]
         table, confidence = self.matrix.host()
         plans = self.tr.adaptive.plan(table, confidence, [h[-1] for h in histories], [len(h) for h in histories],
                                       extras)
-        return [self.compose(h, tree, x, chosen, f) for h, f, x, (tree, chosen) in zip(histories, found, extras, plans)]
+        return [replace(self.compose(h, tree, x, chosen, f), suffix=o)
+                for h, f, o, x, (tree, chosen) in zip(histories, found, offered, extras, plans)]
 
-    def candidates(self, history: list[int], found: list[int]) -> Candidates:
+    def offered(self, history: list[int]) -> Continuations | None:
+        """The suffix index's continuations of the history (None without an index, or when it knows nothing)."""
+        return self.suffix.continuations(history, self.SUFFIX_DEPTH) if self.suffix is not None else None
+
+    def candidates(self, history: list[int], found: list[int], offered: Continuations | None = None) -> Candidates:
         """This step's candidates from outside the matrix: prompt lookup's chain, each token valued by the chain's
-        observed acceptance."""
-        return Candidates.chain(history[-1], found, self.chain_stats.values(len(found)))
+        observed acceptance, and the index's continuations, each valued by the rates of its path's empirical
+        probabilities (a candidate both offer is one node, worth the larger value)."""
+        chain = Candidates.chain(history[-1], found, self.chain_stats.values(len(found)))
+        if offered is None:
+            return chain
+        rates = self.suffix_stats.rates()
+        value, depth = [1.0], [0]
+        for i in range(1, len(offered.parent)):
+            up = offered.parent[i]
+            depth.append(depth[up] + 1)
+            rate = rates[min(depth[up], DEPTHS - 1)][confidence_bin(offered.count[i] / offered.count[up])]
+            value.append(value[up] * rate)
+        return chain.merged(Candidates(offered.parent, offered.token, value))
 
     def compose(self, history: list[int], tree: DraftTree, extra: Candidates, chosen: list[int],
                 found: list[int]) -> Draft:
@@ -249,7 +275,22 @@ class Hybrid:
     def learn(self, draft: Draft, committed: list[int], seconds: float = 0.0) -> None:
         if draft.chain:
             self.chain_stats.observe(draft.chain, committed)
+        if draft.suffix is not None:  # down the index's trie along the committed tokens: each node's children
+            offered, kids = draft.suffix, draft.suffix.children()
+            rows, probabilities, node = [], [], 0
+            for target in committed:
+                rows.append(list(kids[node]))
+                probabilities.append([offered.count[c] / offered.count[node] for c in kids[node].values()])
+                node = kids[node].get(target)
+                if node is None:
+                    break
+            self.suffix_stats.observe(rows, probabilities, committed[: len(rows)])
         self.tr.learn(draft, committed, seconds)
+
+    def remember(self, ids: list[int]) -> None:
+        """A finished sequence (its prompt and answer), for the suffix index to draft from in later requests."""
+        if self.suffix is not None:
+            self.suffix.add(ids)
 
     def recycle(self, draft: Draft, logits: torch.Tensor) -> None:
         self.tr.recycle(draft, logits)

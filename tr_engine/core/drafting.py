@@ -12,18 +12,23 @@ from tr_engine.core.cost import BUCKETS, CostModel, calibrated, cost_path
 from tr_engine.core.drafters import DrafterSetup
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.methods import ADAPTIVE, DRAFTERS, drafter_class
+from tr_engine.core.suffix import SuffixIndex
 from tr_engine.core.tree import DraftTree, load_tree
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.model.llama import Llama
 
 
 class Drafting:
-    """The matrix, the trees and the cost curve of one model on one cache (`key`: what the curve depends on,
-    cost.cost_key; `home`: the folder whose costs/ caches it)."""
+    """The matrix, the trees, the cost curve and the suffix index of one model on one cache (`key`: what the curve
+    depends on, cost.cost_key; `home`: the folder whose costs/ caches it; `suffix_bytes`: the suffix index's bound,
+    0 for none)."""
 
-    def __init__(self, model: Llama, cache, key: dict, home: Path, tree: str = ADAPTIVE, matrix_k: int = 8):
+    def __init__(self, model: Llama, cache, key: dict, home: Path, tree: str = ADAPTIVE, matrix_k: int = 8,
+                 suffix_bytes: int = 0):
         self.model, self.cache, self.key, self.home = model, cache, key, home
         self.matrix = RecyclingMatrix(model.config.vocab_size, matrix_k, model.device, model.ops)
+        # Every finished request's tokens, for hybrid's drafts (tr_engine/core/suffix.py), shared like the matrix.
+        self.suffix = SuffixIndex(model.config.vocab_size, suffix_bytes) if suffix_bytes else None
         self.tree_spec, self.matrix_k = tree, matrix_k
         self.tree: DraftTree = load_tree("2.2.2" if tree == ADAPTIVE else tree, matrix_k)  # static (adaptive: unused)
         if tree != ADAPTIVE and self.tree.size >= cache.capacity:  # near the end a tree is cut to fit; not all of it
@@ -36,13 +41,14 @@ class Drafting:
         """The drafter for `method`, made on first use; the drafters of methods that keep a recycling matrix share
         this one's."""
         if method not in self.drafters:
-            self.drafters[method] = self.new_drafter(method, matrix=self.matrix)
+            self.drafters[method] = self.new_drafter(method, matrix=self.matrix, suffix=self.suffix)
         return self.drafters[method]
 
     def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None,
-                    cost: CostModel | None = None, max_tokens: int = BUCKETS[-1]):
+                    cost: CostModel | None = None, max_tokens: int = BUCKETS[-1], suffix: SuffixIndex | None = None):
         """A drafter for `method` with the tree setting `tree` (default this one's), drafting from `matrix` (default a
-        new, empty one); an adaptive tree priced by this curve, or by `cost` pinned, verifying at most `max_tokens`."""
+        new, empty one) and, for hybrid, from the suffix index `suffix` (default none); an adaptive tree priced by
+        this curve, or by `cost` pinned, verifying at most `max_tokens`."""
         if method not in DRAFTERS:
             raise UserError(f"no drafter for method {method!r}; choose one of {', '.join(DRAFTERS)}")
         tree = tree or self.tree_spec
@@ -59,7 +65,7 @@ class Drafting:
                 return None
             return AdaptiveTrees(cost, max_tokens, device=device, pinned=cost is not None, shard=self.model.shard)
 
-        return drafter_class(method).build(DrafterSetup(device, static, new_matrix, new_adaptive))
+        return drafter_class(method).build(DrafterSetup(device, static, new_matrix, new_adaptive, suffix))
 
     def cost_model(self, runner, recalibrate: bool = False, notify=None) -> tuple[CostModel, bool]:
         """The curve, and whether it was measured now (through `runner`, the model or its CUDA graphs, in the cache,

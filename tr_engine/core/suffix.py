@@ -51,8 +51,12 @@ class Continuations:
     matches: int
     agree: int
 
-    def probability(self, node: int) -> float:
-        return self.count[node] / self.matches if self.matches else 0.0
+    def children(self) -> list[dict[int, int]]:
+        """Per node, its children by token."""
+        kids = [{} for _ in self.parent]
+        for i in range(1, len(self.parent)):
+            kids[self.parent[i]][self.token[i]] = i
+        return kids
 
 
 class SuffixIndex:
