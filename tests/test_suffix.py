@@ -60,12 +60,14 @@ def test_continuations_are_a_brute_force_scans_across_the_wrap(seed, monkeypatch
         assert len(content) == min(index.total, index.capacity)
         for _ in range(5):
             history = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))]
-            got, want = index.continuations(history, depth=6), brute(content, history, 6, 10**6)
-            if want is None or len(history) < ORDER:
-                assert got is None
-                continue
-            assert (got.agree, got.matches, as_paths(got)) == want
-            assert got.token[0] == history[-1] and got.count[0] == got.matches
+            # the index alone; then with the history's own earlier occurrences, as if it followed the ring's text
+            for own, text in ((False, content), (True, content + [SEPARATOR] + history)):
+                got, want = index.continuations(history, depth=6, own=own), brute(text, history, 6, 10**6)
+                if want is None or len(history) < ORDER:
+                    assert got is None
+                    continue
+                assert (got.agree, got.matches, as_paths(got)) == want
+                assert got.token[0] == history[-1] and got.count[0] == got.matches
 
 
 def test_a_lookup_walks_only_the_newest_matches(monkeypatch):
@@ -73,7 +75,7 @@ def test_a_lookup_walks_only_the_newest_matches(monkeypatch):
     index = SuffixIndex(100, max_bytes=suffix.BYTES_PER_TOKEN * 2048)
     for follow in (10, 11, 12, 13, 14):
         index.add([1, 2, 3, follow])
-    c = index.continuations([7, 1, 2, 3])
+    c = index.continuations([7, 1, 2, 3], own=False)
     assert c.matches == 3 and sorted(as_paths(c)) == [(12,), (13,), (14,)]
 
 
@@ -96,7 +98,7 @@ def test_nothing_runs_across_requests_and_bad_ids_are_refused():
     index = SuffixIndex(100, max_bytes=suffix.BYTES_PER_TOKEN * 1024)
     index.add([1, 2, 3])
     index.add([4, 5, 6])
-    assert index.continuations([1, 2, 3]) is None  # (3 ended its request: nothing followed it)
+    assert index.continuations([1, 2, 3], own=False) is None  # (3 ended its request: nothing followed it)
     assert index.continuations([3, 4, 5]) is None  # (no request holds 3, 4, 5 together)
     assert index.continuations([9, 4, 5]) is None
     index.add([4, 5, 6, 7])

@@ -178,8 +178,8 @@ class Hybrid:
     copy-heavy text (the prompt's, or what earlier requests answered) gets long copied branches and everything else
     keeps the matrix's drafts. With an adaptive tree, which candidates join is chosen with the tree's size, by the
     same expected-tokens-per-cost rule, each source's candidates valued by the acceptance it has shown (ChainStats for
-    prompt lookup's chain; for the index's continuations, the rate of their empirical probability's bin, learned as the
-    matrix's confidences are); otherwise every candidate is added to the static tree."""
+    prompt lookup's chain; for the index's continuations, the rate of their confidence's bin, learned as the matrix's
+    confidences are); otherwise every candidate is added to the static tree."""
 
     name = "hybrid"
     SUFFIX_DEPTH = 16  # the longest continuation taken from the index
@@ -240,7 +240,7 @@ class Hybrid:
         for i in range(1, len(offered.parent)):
             up = offered.parent[i]
             depth.append(depth[up] + 1)
-            rate = rates[min(depth[up], DEPTHS - 1)][confidence_bin(offered.count[i] / offered.count[up])]
+            rate = rates[min(depth[up], DEPTHS - 1)][confidence_bin(offered.confidence(i))]
             value.append(value[up] * rate)
         return chain.merged(Candidates(offered.parent, offered.token, value))
 
@@ -280,7 +280,7 @@ class Hybrid:
             rows, probabilities, node = [], [], 0
             for target in committed:
                 rows.append(list(kids[node]))
-                probabilities.append([offered.count[c] / offered.count[node] for c in kids[node].values()])
+                probabilities.append([offered.confidence(c) for c in kids[node].values()])
                 node = kids[node].get(target)
                 if node is None:
                     break

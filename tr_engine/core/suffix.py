@@ -51,6 +51,12 @@ class Continuations:
     matches: int
     agree: int
 
+    def confidence(self, node: int) -> float:
+        """The share of its parent's matches that went on with `node`'s token, discounted for little evidence (one
+        match of one: 1/2; nine of nine: 9/10): what the drafts' acceptance rates are learned by, as the matrix's
+        confidences are."""
+        return self.count[node] / (self.count[self.parent[node]] + 1)
+
     def children(self) -> list[dict[int, int]]:
         """Per node, its children by token."""
         kids = [{} for _ in self.parent]
@@ -116,38 +122,22 @@ class SuffixIndex:
         self.prev[positions % self.capacity] = before
         self.head[h[last]] = positions[last]
 
-    def continuations(self, history: list[int], depth: int = 16) -> Continuations | None:
+    def continuations(self, history: list[int], depth: int = 16, own: bool = True) -> Continuations | None:
         """What followed the longest-agreeing earlier occurrences of the history's end, up to `depth` tokens each, as
-        a trie; None when the index holds no occurrence of its last ORDER tokens."""
-        if len(history) < ORDER or self.total == 0:
+        a trie: occurrences in the index and, with `own`, in the history itself (the prompt and the answer so far,
+        not yet in the index); None when neither holds its last ORDER tokens."""
+        if len(history) < ORDER:
             return None
         tail = np.asarray(history[-MAX_MATCH:], dtype=np.int64)
-        oldest = self.total - self.capacity
-        q = int(self.head[int(self._hash(tail[-ORDER:][None])[0])])
-        found = []
-        for _ in range(MAX_WALK):
-            if q - ORDER < max(oldest, 0):  # empty, or (partly) overwritten: the rest of the chain is older still
-                break
-            found.append(q)
-            q = int(self.prev[q % self.capacity])
-        if not found:
+        found = [self._matches(tail, depth)]
+        if own:
+            found.append(_own_matches(np.asarray(history, dtype=np.int64), tail, depth))
+        agree = np.concatenate([a for a, _ in found])
+        if agree.size == 0 or int(agree.max()) < ORDER:
             return None
-        found = np.asarray(found)
-        span = len(tail)
-        back = found[:, None] - span + np.arange(span)  # [m, span] the positions that would agree with `tail`
-        seen = self.tokens[back % self.capacity].astype(np.int64)
-        seen[back < max(oldest, 0)] = SEPARATOR
-        same = seen == tail
-        # agreement: the length of the run of equal tokens that ends at each match (a hash collision agrees < ORDER)
-        agree = np.where(same[:, ::-1].all(axis=1), span, np.argmin(same[:, ::-1], axis=1))
         best = int(agree.max())
-        if best < ORDER:
-            return None
-        found = found[agree == best]
-        ahead = found[:, None] + np.arange(depth)
-        cont = self.tokens[ahead % self.capacity].astype(np.int64)
-        cont[ahead >= self.total] = SEPARATOR
-        parent, token, count = [0], [int(history[-1])], [len(found)]
+        cont = np.concatenate([c for _, c in found])[agree == best]
+        parent, token, count = [0], [int(history[-1])], [len(cont)]
         children: list[dict[int, int]] = [{}]
         for row in cont.tolist():
             node = 0
@@ -163,7 +153,27 @@ class SuffixIndex:
                     children.append({})
                 count[child] += 1
                 node = child
-        return Continuations(parent, token, count, len(found), best)
+        return Continuations(parent, token, count, len(cont), best)
+
+    def _matches(self, tail: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """The index's newest MAX_WALK occurrences of the tail's last ORDER tokens: each one's agreement with the
+        tail, and the `depth` tokens that followed it (SEPARATOR-padded) [m, depth]."""
+        oldest = max(self.total - self.capacity, 0)
+        q = int(self.head[int(self._hash(tail[-ORDER:][None])[0])]) if self.total else -1
+        found = []
+        for _ in range(MAX_WALK):
+            if q - ORDER < oldest:  # empty, or (partly) overwritten: the rest of the chain is older still
+                break
+            found.append(q)
+            q = int(self.prev[q % self.capacity])
+        found = np.asarray(found, dtype=np.int64)
+        back = found[:, None] - len(tail) + np.arange(len(tail))  # [m, span] the positions that would agree
+        seen = self.tokens[back % self.capacity].astype(np.int64)
+        seen[back < oldest] = SEPARATOR
+        ahead = found[:, None] + np.arange(depth)
+        cont = self.tokens[ahead % self.capacity].astype(np.int64)
+        cont[ahead >= self.total] = SEPARATOR
+        return _agreement(seen, tail), cont
 
     def content(self) -> np.ndarray:
         """The ring's tokens, oldest first (separators included)."""
@@ -223,3 +233,24 @@ class SuffixIndex:
         index._append(seq)
         index.requests = data["requests"]
         return index
+
+
+def _agreement(seen: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """For each row of `seen` [m, len(tail)] (the tokens before a match), how many of its last tokens equal the
+    tail's (a hash collision agrees with fewer than ORDER)."""
+    same = (seen == tail)[:, ::-1]
+    return np.where(same.all(axis=1), same.shape[1], np.argmin(same, axis=1)).astype(np.int64)
+
+
+def _own_matches(history: np.ndarray, tail: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """_matches' answer for the history itself: its newest MAX_WALK earlier occurrences of its last ORDER tokens
+    (each followed by at least one token of the history)."""
+    n = len(history)
+    if n <= ORDER:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, depth), dtype=np.int64)
+    windows = np.lib.stride_tricks.sliding_window_view(history[:-1], ORDER)  # window i ends before position i+ORDER
+    found = (np.nonzero((windows == history[-ORDER:]).all(axis=1))[0] + ORDER)[::-1][:MAX_WALK]
+    padded = np.concatenate([np.full(len(tail), SEPARATOR), history, np.full(depth, SEPARATOR)])
+    back = found[:, None] - len(tail) + np.arange(len(tail)) + len(tail)
+    ahead = found[:, None] + np.arange(depth) + len(tail)
+    return _agreement(padded[back], tail), padded[ahead]
