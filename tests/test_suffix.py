@@ -1,6 +1,7 @@
 """The suffix index (tr_engine/core/suffix.py): its continuations are what a brute-force scan of the remembered text
 finds, within its bound, across the ring's wrap, and through a save and load; hostile files are refused in one line."""
 
+import json
 import random
 
 import numpy as np
@@ -207,3 +208,30 @@ def test_hybrid_with_an_index_is_plain_decoding_and_drafts_earlier_answers(tiny_
     engine.drafting.drafters["hybrid"] = batch  # (generate_batch decodes with the engine's own drafter)
     assert [r.token_ids for r in engine.generate_batch(prompts, max_new_tokens=40, method="hybrid")] == plain
     assert index.requests == 9
+
+
+def test_the_index_is_saved_beside_the_matrix_and_loaded_with_it(tiny_factory, tmp_path):
+    """--suffix-index MB: the command line's index is kept beside its --matrix file (hot start), and a hostile one is
+    refused in one line, the run stopped before answering (exit 2)."""
+    import subprocess
+    import sys
+
+    from tr_engine.core.suffix import beside
+
+    folder = str(tiny_factory("suffix", dtype=torch.float64, vocab_size=300))
+    matrix = tmp_path / "m.pt"
+    command = [sys.executable, "-m", "tr_engine.generate", "--model", folder, "--prompt", "one two three four",
+               "--max-new-tokens", "24", "--method", "hybrid", "--suffix-index", "1", "--matrix", str(matrix),
+               "--json"]
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        runs.append(json.loads(proc.stdout))
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert runs[1]["steps"] * 2 <= runs[0]["steps"]  # the second run drafted the first one's answer
+    saved = torch.load(beside(matrix), weights_only=True)
+    assert saved["requests"] == 2 and beside(matrix).name == "m.suffix.pt"
+    torch.save({**saved, "tokens": torch.tensor([1, 5000], dtype=torch.int32)}, beside(matrix))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not a valid suffix index" in proc.stderr

@@ -143,6 +143,7 @@ class Engine:
         check_method(method)
         checks.seed(seed)
         checks.integer(max_batch, "--batch", 1)
+        checks.integer(suffix_bytes, "suffix_bytes", 0)
         if threads is not None:
             torch.set_num_threads(checks.integer(threads, "--threads", 1, checks.usable_cpus()))
         if max_context is not None:
@@ -162,8 +163,7 @@ class Engine:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
         return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), str(tree), matrix_k,
-                   method, seed, False if tp > 1 else cuda_graphs, max_batch, max_context,
-                   checks.integer(suffix_bytes, "suffix_bytes", 0))
+                   method, seed, False if tp > 1 else cuda_graphs, max_batch, max_context, suffix_bytes)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages
@@ -171,11 +171,13 @@ class Engine:
         return self.tokenizer.prompt_ids(prompt, chat_template)
 
     def save_matrix(self, path) -> None:
-        """Save the recycling matrix atomically; a MatrixFileError (the old file kept) when it cannot be written."""
+        """Save the recycling matrix atomically, and the suffix index (if any) beside it; a MatrixFileError or an
+        IndexFileError (the old file kept) when it cannot be written."""
         self.drafting.save_matrix(path, self.tokenizer.fingerprint())
 
     def load_matrix(self, path) -> None:
-        """Load a saved recycling matrix (checked: MatrixFileError when it is not one for this model and k)."""
+        """Load a saved recycling matrix (checked: MatrixFileError when it is not one for this model and k), and the
+        suffix index saved beside it, if this engine keeps one (IndexFileError when that file is not one)."""
         self.drafting.load_matrix(path, self.tokenizer.fingerprint())
 
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat_template: bool = True,

@@ -79,6 +79,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--matrix-k", type=integer(1, MAX_MATRIX_K, "the CUDA recycle kernel's limit"), default=8,
                     help="candidates kept per token in the recycling matrix")
     ap.add_argument("--seed-from-prompt", action="store_true", help="seed the matrix from each prompt's prefill")
+    ap.add_argument("--suffix-index", type=integer(0, 1 << 16), default=0, metavar="MB",
+                    help="hybrid also drafts from a suffix index of every request answered, up to MB megabytes, saved "
+                         "beside the matrix (default 0: none)")
     ap.add_argument("--tp", type=integer(1), default=1, metavar="N",
                     help="tensor parallelism: the model split across N processes, launched with torchrun "
                          "--nproc-per-node N (README, 'Several GPUs'); default 1")
@@ -188,7 +191,8 @@ def engine_from_args(args):
         engine = Engine.from_pretrained(args.model, args.device, args.dtype, args.max_context, args.model_dir,
                                         args.ops, args.threads, args.tree, args.matrix_k, args.method, args.seed,
                                         None if args.cuda_graphs is None else args.cuda_graphs == "on",
-                                        max_batch=getattr(args, "batch", 8), tp=args.tp, progress=progress)
+                                        max_batch=getattr(args, "batch", 8), tp=args.tp, progress=progress,
+                                        suffix_bytes=args.suffix_index << 20)
     except BaseException:
         if progress is not None:
             progress.end(ok=False)

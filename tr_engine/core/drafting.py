@@ -12,7 +12,7 @@ from tr_engine.core.cost import BUCKETS, CostModel, calibrated, cost_path
 from tr_engine.core.drafters import DrafterSetup
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.methods import ADAPTIVE, DRAFTERS, drafter_class
-from tr_engine.core.suffix import SuffixIndex
+from tr_engine.core.suffix import BYTES_PER_TOKEN, SuffixIndex, beside
 from tr_engine.core.tree import DraftTree, load_tree
 from tr_engine.errors import InvalidType, InvalidValue, MatrixFileError, UserError
 from tr_engine.model.llama import Llama
@@ -78,7 +78,10 @@ class Drafting:
         return self.cost, measured
 
     def save_matrix(self, path, fingerprint: str) -> None:
+        """The matrix at `path`, and the suffix index (if this engine keeps one) beside it (suffix.beside)."""
         self.matrix.save(path, fingerprint)
+        if self.suffix is not None:
+            self.suffix.save(beside(path), fingerprint)
 
     def load_matrix(self, path, fingerprint: str) -> None:
         """The saved matrix at `path` in place of this one's (checked: MatrixFileError when it is not a matrix for
@@ -88,6 +91,9 @@ class Drafting:
             raise MatrixFileError(f"{path} keeps {loaded.k} candidates per token but --matrix-k is {self.matrix.k}; "
                                   "pass the matching --matrix-k or use another --matrix file")
         self.matrix.copy_(loaded.table, loaded.confidence)
+        if self.suffix is not None and beside(path).is_file():  # (a matrix saved without an index: none to load)
+            self.suffix.copy_(SuffixIndex.load(beside(path), self.model.config.vocab_size, fingerprint,
+                                               self.suffix.capacity * BYTES_PER_TOKEN))
 
     def use_cost(self, cost: CostModel) -> None:
         if not isinstance(cost, CostModel):

@@ -175,6 +175,14 @@ class SuffixIndex:
         cont[ahead >= self.total] = SEPARATOR
         return _agreement(seen, tail), cont
 
+    def copy_(self, other: "SuffixIndex") -> None:
+        """Hold what `other` holds (a loaded index; the same bound), in place: the drafters that share this one see
+        it."""
+        if other.capacity != self.capacity:
+            raise ValueError(f"a suffix index of {other.capacity} tokens cannot replace one of {self.capacity}")
+        self.tokens[:], self.prev[:], self.head[:] = other.tokens, other.prev, other.head
+        self.total, self.requests = other.total, other.requests
+
     def content(self) -> np.ndarray:
         """The ring's tokens, oldest first (separators included)."""
         held = min(self.total, self.capacity)
@@ -254,3 +262,9 @@ def _own_matches(history: np.ndarray, tail: np.ndarray, depth: int) -> tuple[np.
     back = found[:, None] - len(tail) + np.arange(len(tail)) + len(tail)
     ahead = found[:, None] + np.arange(depth) + len(tail)
     return _agreement(padded[back], tail), padded[ahead]
+
+
+def beside(matrix_path: str | Path) -> Path:
+    """Where the suffix index is saved beside a recycling matrix file: m.pt -> m.suffix.pt."""
+    path = Path(matrix_path)
+    return path.with_name(f"{path.stem}.suffix{path.suffix}")
