@@ -53,6 +53,7 @@ def as_paths(c):
 @pytest.mark.parametrize("seed", range(4))
 def test_continuations_are_a_brute_force_scans_across_the_wrap(seed, monkeypatch):
     monkeypatch.setattr(suffix, "MAX_WALK", 10**6)  # every occurrence: the scan's answer exactly
+    monkeypatch.setattr(suffix, "MAX_USED", 10**6)
     rng = random.Random(seed)
     index = SuffixIndex(VOCAB, max_bytes=suffix.BYTES_PER_TOKEN * 1024)
     for _ in range(60):  # ~3000 tokens through a 1024-token ring: it wraps about three times
@@ -78,6 +79,15 @@ def test_a_lookup_walks_only_the_newest_matches(monkeypatch):
         index.add([1, 2, 3, follow])
     c = index.continuations([7, 1, 2, 3], own=False)
     assert c.matches == 3 and sorted(as_paths(c)) == [(12,), (13,), (14,)]
+
+
+def test_a_trie_is_made_of_the_sequences_own_matches_first_then_the_newest(monkeypatch):
+    monkeypatch.setattr(suffix, "MAX_USED", 3)
+    index = SuffixIndex(100, max_bytes=suffix.BYTES_PER_TOKEN * 2048)
+    for follow in (10, 11, 12, 13):
+        index.add([1, 2, 3, follow])
+    c = index.continuations([1, 2, 3, 20, 1, 2, 3])  # its own "1 2 3" went on with 20
+    assert c.matches == 3 and sorted(as_paths(c)) == [(12,), (13,), (20,), (20, 1), (20, 1, 2), (20, 1, 2, 3)]
 
 
 def test_the_index_stays_within_its_bound_and_keeps_the_newest_tokens():
@@ -181,7 +191,8 @@ def test_hybrid_grafts_the_index_branches_under_the_tree():
     assert draft.tokens.tolist() == [3, 4, 5, 9, 9, 6, 7]
     assert draft.tree.parent.tolist() == [0, 0, 0, 0, 3, 1, 5]
     hybrid.learn(draft, [4, 6, 7, 11])  # the index's first branch came true
-    assert hybrid.suffix_stats.tries[0] != [0.0] * len(hybrid.suffix_stats.tries[0])
+    learned = hybrid.suffix_stats[0].tries[0]  # (the matches agreed on 3 tokens: the first class)
+    assert learned != [0.0] * len(learned)
     hybrid.remember([5, 5, 5])
     assert index.requests == 3
 

@@ -30,7 +30,7 @@ import torch
 
 from tr_engine.core.adaptive import AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, DEPTHS, confidence_bin
 from tr_engine.core.matrix import RecyclingMatrix
-from tr_engine.core.suffix import Continuations, SuffixIndex
+from tr_engine.core.suffix import MAX_MATCH, Continuations, SuffixIndex
 from tr_engine.core.tree import DraftTree, chain_tree, graft
 
 
@@ -172,6 +172,13 @@ class PromptLookup:
         pass
 
 
+AGREEMENT = (8, MAX_MATCH, MAX_MATCH + 1)  # a suffix match's agreement class: below 8 tokens, below MAX_MATCH, all
+
+
+def agreement_class(agree: int) -> int:
+    return next(i for i, top in enumerate(AGREEMENT) if agree < top)
+
+
 class Hybrid:
     """Token Recycling's tree with the candidates of prompt lookup and, where the engine keeps one, of the suffix index
     merged in: each follows the tree's nodes while their tokens agree and hangs the rest under the last one, so
@@ -187,7 +194,9 @@ class Hybrid:
     def __init__(self, tr: TokenRecycling, lookup: PromptLookup, suffix: SuffixIndex | None = None):
         self.tr, self.lookup, self.suffix = tr, lookup, suffix
         self.chain_stats = ChainStats(lookup.length)
-        self.suffix_stats = ConfidenceStats()
+        # The index's candidates' acceptance, learned apart for matches that agree with the history on a few tokens,
+        # on more, and on all MAX_MATCH (a request seen before): how far a match agrees says much of how far it goes on.
+        self.suffix_stats = [ConfidenceStats() for _ in AGREEMENT]
         self._grafted: dict[tuple, DraftTree] = {}
 
     @classmethod
@@ -235,14 +244,15 @@ class Hybrid:
         chain = Candidates.chain(history[-1], found, self.chain_stats.values(len(found)))
         if offered is None:
             return chain
-        rates = self.suffix_stats.rates()
+        rates = self.suffix_stats[agreement_class(offered.agree)].rates()
         value, depth = [1.0], [0]
         for i in range(1, len(offered.parent)):
             up = offered.parent[i]
             depth.append(depth[up] + 1)
             rate = rates[min(depth[up], DEPTHS - 1)][confidence_bin(offered.confidence(i))]
             value.append(value[up] * rate)
-        return chain.merged(Candidates(offered.parent, offered.token, value))
+        suffix = Candidates(offered.parent, offered.token, value)
+        return suffix.merged(chain) if found else suffix
 
     def compose(self, history: list[int], tree: DraftTree, extra: Candidates, chosen: list[int],
                 found: list[int]) -> Draft:
@@ -284,7 +294,7 @@ class Hybrid:
                 node = kids[node].get(target)
                 if node is None:
                     break
-            self.suffix_stats.observe(rows, probabilities, committed[: len(rows)])
+            self.suffix_stats[agreement_class(offered.agree)].observe(rows, probabilities, committed[: len(rows)])
         self.tr.learn(draft, committed, seconds)
 
     def remember(self, ids: list[int]) -> None:

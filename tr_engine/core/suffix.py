@@ -8,9 +8,11 @@ after each, the oldest overwritten first; and a hash chain per context of ORDER 
 earlier matches: head[h] is the latest position whose preceding ORDER tokens hash to h, prev[p] the one before it with
 the same hash. A lookup walks the chain of the history's last ORDER tokens (newest first, at most MAX_WALK links,
 stopping at the first position the ring has overwritten), measures how far back each match agrees with the history
-(up to MAX_MATCH tokens), keeps the matches of the longest agreement (the deepest node of a suffix tree), and counts
-what followed them: a trie of continuations, each node's count the number of matches that continued with its path.
-A node's count over the matches' is its empirical probability; the drafts take the likeliest nodes.
+(up to MAX_MATCH tokens), keeps the matches of the longest agreement (the deepest node of a suffix tree; at most
+MAX_USED, the sequence's own text first, then the newest), and counts what followed them: a trie of continuations,
+each node's count the number of matches that continued with its path. A node's count over the matches' is its
+empirical probability; the drafts take the likeliest nodes. The history's own earlier text is searched too (it is not
+in the index until its request ends).
 
 Exactness is not the index's business: its drafts are verified by the model like any other.
 """
@@ -29,6 +31,7 @@ from tr_engine.files import atomic_write, signals_deferred
 ORDER = 3  # context tokens a position is indexed under
 MAX_MATCH = 32  # how far back a match's agreement with the history is measured
 MAX_WALK = 64  # chain links followed per lookup (the newest matches first)
+MAX_USED = 16  # matches whose continuations make the trie (of the longest-agreeing: the sequence's own, then newest)
 SEPARATOR = -1  # after each request in the ring: no context or continuation runs across it
 DEFAULT_MAX_BYTES = 64 << 20
 BYTES_PER_TOKEN = 20  # the ring (int32), the chain (int64) and at most one head (int64) per position
@@ -130,13 +133,13 @@ class SuffixIndex:
             return None
         tail = np.asarray(history[-MAX_MATCH:], dtype=np.int64)
         found = [self._matches(tail, depth)]
-        if own:
-            found.append(_own_matches(np.asarray(history, dtype=np.int64), tail, depth))
+        if own:  # (first: the sequence's own text is the likeliest to go on as it did)
+            found.insert(0, _own_matches(np.asarray(history, dtype=np.int64), tail, depth))
         agree = np.concatenate([a for a, _ in found])
         if agree.size == 0 or int(agree.max()) < ORDER:
             return None
         best = int(agree.max())
-        cont = np.concatenate([c for _, c in found])[agree == best]
+        cont = np.concatenate([c for _, c in found])[agree == best][:MAX_USED]
         parent, token, count = [0], [int(history[-1])], [len(cont)]
         children: list[dict[int, int]] = [{}]
         for row in cont.tolist():
