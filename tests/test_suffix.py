@@ -164,7 +164,7 @@ def test_hostile_index_files_are_refused_in_one_line(tmp_path, change, says):
 def test_unreadable_index_files_are_refused_in_one_line(tmp_path):
     (tmp_path / "garbage.pt").write_bytes(b"\x80\x04not a file at all")
     (tmp_path / "folder.pt").mkdir()
-    for path, says in ((tmp_path / "garbage.pt", "not a valid suffix index"), (tmp_path / "folder.pt", "directory"),
+    for path, says in ((tmp_path / "garbage.pt", "is not a suffix index file"), (tmp_path / "folder.pt", "directory"),
                        (tmp_path / "missing.pt", "no suffix index")):
         with pytest.raises(IndexFileError, match=says):
             SuffixIndex.load(path, 10, "tok")

@@ -48,6 +48,30 @@ def atomic_write(path: str | Path, data: bytes) -> None:
                 tmp.unlink()
 
 
+def load_state(path: str | Path, error: type[Exception], what: str, flag: str):
+    """A state file this package saved (torch.save of tensors and plain values), read with weights_only, so no pickled
+    code runs; every way the read can fail is one line of `error`: no file, a folder, unreadable, not such a file at
+    all. `what` names it ("recycling matrix"), `flag` the option that points at it ("--matrix"). Its contents are the
+    caller's to check."""
+    import warnings
+
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # torch warns about garbage that looks like a pickle: one line is ours
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise error(f"no {what} at {path}; drop {flag} to start from an empty one") from None
+    except IsADirectoryError:
+        raise error(f"{path} is a directory, not a {what} file; pass a file path to {flag}") from None
+    except PermissionError:
+        raise error(f"{path} cannot be read (permission denied); fix its permissions or pass another {flag} file"
+                    ) from None
+    except Exception as e:  # corrupt or foreign file: torch raises several types
+        raise error(f"{path} is not a {what} file ({type(e).__name__}); delete it to start fresh") from None
+
+
 def temporaries(path: Path) -> list[Path]:
     """The temporary files of saves to `path` that are in progress or were cut short."""
     return sorted(path.parent.glob(f"{glob_escape(path.name)}.*{TMP_SUFFIX}"))

@@ -6,7 +6,6 @@ vocabulary.
 """
 
 import io
-import warnings
 from pathlib import Path
 
 import torch
@@ -14,7 +13,7 @@ import torch
 from tr_engine.core.methods import MAX_MATRIX_K
 from tr_engine.core.tree import DraftTree
 from tr_engine.errors import InvalidValue, MatrixFileError
-from tr_engine.files import atomic_write, signals_deferred
+from tr_engine.files import atomic_write, load_state, signals_deferred
 from tr_engine.model.ops import resolve_ops
 
 
@@ -125,20 +124,7 @@ class RecyclingMatrix:
         """Read a matrix saved by `save` for this vocabulary. Its contents are checked (shapes, dtypes, token ids,
         confidences) before anything uses them: a file edited, truncated or written by something else is refused
         with a MatrixFileError, never loaded to fail later in a kernel."""
-        try:
-            with warnings.catch_warnings():  # torch warns about garbage that looks like a pickle: one line is ours
-                warnings.simplefilter("ignore")
-                data = torch.load(path, map_location="cpu", weights_only=True)  # weights_only: no pickled code runs
-        except FileNotFoundError:
-            raise MatrixFileError(f"no recycling matrix at {path}; drop --matrix to start from an empty one")
-        except IsADirectoryError:
-            raise MatrixFileError(f"{path} is a directory, not a recycling matrix file; pass a file path to --matrix")
-        except PermissionError:
-            raise MatrixFileError(f"{path} cannot be read (permission denied); fix its permissions or pass another "
-                                  "--matrix file")
-        except Exception as e:  # corrupt or foreign file: torch raises several types
-            raise MatrixFileError(f"{path} is not a recycling matrix file ({type(e).__name__}); delete it to start "
-                                  "fresh") from None
+        data = load_state(path, MatrixFileError, "recycling matrix", "--matrix")
         table, confidence = _checked(data, path, vocab_size, fingerprint)
         m = cls(vocab_size, table.shape[1], device)
         m.table.copy_(table)

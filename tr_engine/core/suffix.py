@@ -18,7 +18,6 @@ Exactness is not the index's business: its drafts are verified by the model like
 """
 
 import io
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from tr_engine.errors import UserError
-from tr_engine.files import atomic_write, signals_deferred
+from tr_engine.files import atomic_write, load_state, signals_deferred
 
 ORDER = 3  # context tokens a position is indexed under
 MAX_MATCH = 32  # how far back a match's agreement with the history is measured
@@ -213,19 +212,7 @@ class SuffixIndex:
         def bad(what: str) -> IndexFileError:
             return IndexFileError(f"{path} is not a valid suffix index file ({what}); delete it to start fresh")
 
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                data = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code runs
-        except FileNotFoundError:
-            raise IndexFileError(f"no suffix index at {path}; leave it out to start from an empty one")
-        except IsADirectoryError:
-            raise IndexFileError(f"{path} is a directory, not a suffix index file")
-        except PermissionError:
-            raise IndexFileError(f"{path} cannot be read (permission denied); fix its permissions or use another "
-                                 "file")
-        except Exception as e:  # corrupt or foreign: torch raises several types
-            raise bad(type(e).__name__) from None
+        data = load_state(path, IndexFileError, "suffix index", "--matrix")  # (it is saved beside the matrix)
         if not isinstance(data, dict) or not {"tokens", "vocab_size", "fingerprint", "requests"} <= data.keys():
             raise bad("not a dict with tokens, vocab_size, fingerprint and requests")
         tokens = data["tokens"]
