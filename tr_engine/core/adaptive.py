@@ -28,7 +28,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from tr_engine.core.cost import BUCKETS, CostModel
-from tr_engine.core.tree import DraftTree, build_tree
+from tr_engine.core.tree import DraftTree, build_tree, trie_children
 from tr_engine.model.parallel import ALONE, Shard
 
 # A candidate's confidence (its share of its row's top-k mass when the row was written: RecyclingMatrix.confidence)
@@ -135,10 +135,7 @@ class Candidates:
 
     def children(self) -> list[dict[int, int]]:
         """Per node, its children by token."""
-        kids = [{} for _ in self.parent]
-        for i in range(1, len(self.parent)):
-            kids[self.parent[i]][self.token[i]] = i
-        return kids
+        return trie_children(self.parent, self.token)
 
 
 NO_CANDIDATES = Candidates([0], [0], [1.0])

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tr_engine.core.tree import trie_children
 from tr_engine.errors import UserError
 from tr_engine.files import atomic_write, load_state, signals_deferred
 
@@ -61,10 +62,7 @@ class Continuations:
 
     def children(self) -> list[dict[int, int]]:
         """Per node, its children by token."""
-        kids = [{} for _ in self.parent]
-        for i in range(1, len(self.parent)):
-            kids[self.parent[i]][self.token[i]] = i
-        return kids
+        return trie_children(self.parent, self.token)
 
 
 class SuffixIndex:

@@ -111,6 +111,16 @@ def sample_tree_mask(T: int) -> torch.Tensor:
     return ancestor_mask([0] + [(i - 1) // 4 for i in range(1, T)])
 
 
+def trie_children(parent: list[int], token: list[int]) -> list[dict[int, int]]:
+    """Per node of a trie given by its nodes' parents and tokens (node 0 the root, each parent before its children),
+    its children by token: the descent table of the candidates hybrid drafting grafts (adaptive.Candidates,
+    suffix.Continuations)."""
+    kids = [{} for _ in parent]
+    for i in range(1, len(parent)):
+        kids[parent[i]][token[i]] = i
+    return kids
+
+
 def graft(tree: DraftTree, parents: list[int]) -> DraftTree:
     """`tree` with new nodes appended after its nodes, the i-th under token index `parents[i]` (a node of the tree,
     or an earlier new one): hybrid drafting's candidates from outside the matrix (prompt lookup's chain, the suffix
