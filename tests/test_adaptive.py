@@ -356,6 +356,9 @@ def test_the_doubt_names_the_worst_inversion_not_the_first():
     seconds = {1: 0.010, 2: 0.0070, 3: 0.011, 4: 0.040, 5: 0.010, 6: 0.041}
     assert doubts(seconds, steady) == "a 5-token verify timed under a 4-token one"
     assert doubts({1: 0.010, 2: 0.011, 3: 0.012}, steady) is None
+    busy = {"before": [0.010] * 3, "after": [0.030] * 3}  # both at once: both named (a busy CI host once hid the
+    assert doubts(seconds, busy) == ("a plain step took 3.0x as long after the measurement as before (was another "
+                                     "process busy?); a 5-token verify timed under a 4-token one")  # inversion)
 
 
 @pytest.mark.parametrize("spell", ["busy", "inverted"])

@@ -263,19 +263,23 @@ class CostModel:
 def doubts(seconds: dict[int, float], samples: dict) -> str | None:
     """Why a measurement at one prefix (time_steps' medians and samples) is not to be trusted, or None: the plain
     step timed just before the passes and just after them differs by more than NOISE (the machine was busier in one
-    than the other: the sizes timed in between are not comparable), or a size timed well under a smaller one (the
-    worst such inversion)."""
+    than the other: the sizes timed in between are not comparable), and/or a size timed well under a smaller one (the
+    worst such inversion). Both are named when both hold: a busy spell does not hide a curve no machine gives."""
+    reasons = []
     before, after = statistics.median(samples["before"]), statistics.median(samples["after"])
     if max(before, after) > NOISE * min(before, after) + JITTER_S:
         drift = max(before, after) / min(before, after)
-        return f"a plain step took {drift:.1f}x as long after the measurement as before (was another process busy?)"
+        reasons.append(f"a plain step took {drift:.1f}x as long after the measurement as before (was another process "
+                       "busy?)")
     sizes, worst = sorted(seconds), None  # (the worst inversion is named: a spell of noise makes small ones too)
     for i, T in enumerate(sizes):
         smaller = max(sizes[:i], key=lambda S: seconds[S], default=None)
         if smaller is not None and seconds[T] * MONOTONE + JITTER_S < seconds[smaller]:
             if worst is None or seconds[smaller] / seconds[T] > seconds[worst[1]] / seconds[worst[0]]:
                 worst = T, smaller
-    return None if worst is None else f"a {worst[0]}-token verify timed under a {worst[1]}-token one"
+    if worst is not None:
+        reasons.append(f"a {worst[0]}-token verify timed under a {worst[1]}-token one")
+    return "; ".join(reasons) or None
 
 
 def envelope(seconds: dict[int, float], sizes: tuple[int, ...]) -> list[float]:
