@@ -48,7 +48,9 @@ from tr_engine.errors import UserError
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 GROUPS = {"translation": "translation", "summarization": "summarization", "qa": "qa", "math_reasoning": "math",
           "rag": "rag", "humaneval": "code"}  # every other category is MT-bench: "conversation"
-GROUP_ORDER = ["conversation", "translation", "summarization", "qa", "math", "rag", "code"]
+MEMORY_GROUPS = ("extract", "edit", "faq", "follow-up")  # bench/data/memory.jsonl's (bench/memory_workload.py)
+GROUPS |= {g: g for g in MEMORY_GROUPS}
+GROUP_ORDER = ["conversation", "translation", "summarization", "qa", "math", "rag", "code", *MEMORY_GROUPS]
 # Configurations with a drafter of their own (own matrix and statistics), built by Engine.new_drafter's arguments.
 # ("hybrid" is the engine's method with a matrix of its own, so the "tr" rows keep theirs.) The "-81" ones verify as
 # many tokens as the static 2.2.2 tree whatever the cost (a flat curve, at most 81 tokens): the adaptive tree's drafts
@@ -86,7 +88,10 @@ def humaneval_questions() -> list[dict]:
             for task_id, p in read_problems().items()]
 
 
-def load_questions(path: Path, limit: int | None, categories: list[str] | None, per_group: int | None = None) -> list[dict]:
+def load_questions(path: Path, limit: int | None, categories: list[str] | None, per_group: int | None = None,
+                   warmup: bool = False) -> list[dict]:
+    """The questions to measure, or with `warmup` the file's own warm-up rows (`"warmup": true`, as in
+    bench/data/memory.jsonl; never measured). Filters apply to measured rows only."""
     if str(path) == "humaneval":
         rows = humaneval_questions()
     elif not Path(path).is_file():  # (the default: Spec-Bench's dev split in the shared/ folder beside the checkout)
@@ -94,6 +99,9 @@ def load_questions(path: Path, limit: int | None, categories: list[str] | None, 
                         f"shared/ folder beside the checkout, or a file given with --questions where they take one")
     else:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if bool(r.get("warmup")) == warmup]
+    if warmup:
+        return rows
     if categories:
         rows = [r for r in rows if group_of(r["category"]) in categories or r["category"] in categories]
     if per_group:  # the first N questions of each category group
@@ -101,6 +109,15 @@ def load_questions(path: Path, limit: int | None, categories: list[str] | None, 
         rows = [r for r in rows if taken.setdefault(group_of(r["category"]), []).append(r) or
                 len(taken[group_of(r["category"])]) <= per_group]
     return rows[:limit] if limit else rows
+
+
+def warm_up_questions(path: Path, count: int) -> list[dict]:
+    """The hot start: the file's warm-up rows if it has them (every turn of each), else its last `count` questions
+    (first turns only: Spec-Bench's dev split, whose last questions are measured too)."""
+    own = load_questions(path, None, None, warmup=True)
+    if own:
+        return own
+    return [dict(q, turns=q["turns"][:1]) for q in load_questions(path, None, None)[-count:]] if count else []
 
 
 def summarize(records: list[dict], methods: list[str]) -> dict:
@@ -334,7 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="first N questions only")
     ap.add_argument("--categories", nargs="+", default=None, help="category groups or categories to run")
     ap.add_argument("--per-group", type=int, default=None, help="first N questions of each category group")
-    ap.add_argument("--warmup", type=int, default=3, help="questions run by tr before measuring (hot start)")
+    ap.add_argument("--warmup", type=int, default=3, help="questions run by the hot methods before measuring (hot "
+                    "start; a file with warm-up rows of its own, like bench/data/memory.jsonl, runs those instead)")
     ap.add_argument("--tree", default="2.2.2")
     ap.add_argument("--matrix-k", type=int, default=8, help="candidates per token in the recycling matrix")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
@@ -385,12 +403,17 @@ def main(argv=None) -> int:
     if any(m.startswith("hf-") for m in args.methods):
         peer = HFPeer(engine.folder, engine.model.dtype, engine.tokenizer.eos_ids)
     questions = load_questions(args.questions, args.limit, args.categories, args.per_group)
-    warm = load_questions(args.questions, None, None)[-args.warmup:] if args.warmup else []
+    warm = warm_up_questions(args.questions, args.warmup)
+    args.warmup = len(warm)  # (what the summary reports)
     drafters = {m: own_drafter(engine, **OWN_DRAFTERS[m]) for m in args.methods if m in OWN_DRAFTERS}
-    for i, q in enumerate(warm):  # warm the hot methods' matrices on questions from the end of the file
+    for i, q in enumerate(warm):  # warm the hot methods' matrices (and indexes) before measuring
         for m in (m for m in args.methods if m in HOT):
-            run_method(engine, None, m, [{"role": "user", "content": q["turns"][0]}], args.max_new_tokens, drafters,
-                       sampling, turn_seed(-1 - i, 0))
+            conversation = []
+            for turn, text in enumerate(q["turns"]):
+                conversation.append({"role": "user", "content": text})
+                out = run_method(engine, None, m, conversation, args.max_new_tokens, drafters, sampling,
+                                 turn_seed(-1 - i, turn))
+                conversation.append({"role": "assistant", "content": out["text"]})
     if writes:
         args.out.mkdir(parents=True, exist_ok=True)
     records = []
