@@ -2,7 +2,7 @@
 (1, 4, 16) of OpenAI's own `openai` package, each streaming dev-split questions.
 
     python -m bench.serve [--clients 1 4 16] [--methods ar hybrid] [--questions 32] [--max-new-tokens 128]
-    python -m bench.serve --soak [--requests 500] [--soak-clients 16]
+    python -m bench.serve --soak [--requests 500] [--soak-clients 16] [--suffix-index MB --kill]
     python -m bench.serve --multi-turn [--batch 4]
 
 Load: for each method a fresh server (its matrix warmed first on other questions), and for each client count the
@@ -14,7 +14,9 @@ whether every answer equals plain decoding's (the ar rows, one client).
 Soak (--soak): one server with its matrix in a file, `--requests` requests from `--soak-clients` clients with random
 lengths, every one streamed and a random tenth dropped after a few events (a client gone). Reported: the server's
 resident memory (VmRSS) after the first 50 requests and after the last (must stay within 10%), the requests that
-failed other than the dropped ones (must be none), SIGTERM's exit status, and whether the saved matrix loads.
+failed other than the dropped ones (must be none), SIGTERM's exit status (or with --kill, SIGKILL's), and whether what
+it saved loads. With `--suffix-index MB` the server keeps a suffix index of that bound, saved beside the matrix: its
+size is sampled every 50 requests (it must never pass the bound) and it must load after the end.
 Multi-turn (--multi-turn): the dev split's two-turn conversations, each turn a request with the conversation so far,
 on a server with prefix reuse and on one without: the second turns' TTFT both ways, the prompt tokens found cached
 (`usage.prompt_tokens_details.cached_tokens` and the `/metrics` counter), and whether every answer is the same.
@@ -78,10 +80,18 @@ class Server:
 
         return rss_kb(self.process.pid) / 1024
 
-    def stop(self) -> tuple[int, str]:
-        self.process.send_signal(signal.SIGTERM)
+    def stop(self, kill: bool = False) -> tuple[int, str]:
+        """SIGTERM (a graceful end), or with `kill` SIGKILL (what an out-of-memory killer or a crash does)."""
+        self.process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
         out, _ = self.process.communicate(timeout=120)
         return self.process.returncode, out
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics' unlabelled values by name."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as response:
+            lines = response.read().decode().splitlines()
+        return {line.split()[0]: float(line.split()[1]) for line in lines
+                if line.startswith("tr_engine_") and "{" not in line}
 
 
 def ask(client, model: str, question: str | list[dict], max_tokens: int, drop_after: int | None = None) -> dict:
@@ -92,9 +102,11 @@ def ask(client, model: str, question: str | list[dict], max_tokens: int, drop_af
     stream = client.chat.completions.create(model=model, messages=messages,
                                             max_tokens=max_tokens, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
-    text, first, last, usage, events = [], None, None, None, 0
+    text, first, last, usage, events, spec = [], None, None, None, 0, {}
     for chunk in stream:
         events += 1
+        if chunk.choices and chunk.choices[0].finish_reason:  # (the last chunk carries the speculative numbers)
+            spec = (chunk.model_extra.get("metrics") or {}).get("speculative_decoding") or {}
         if drop_after is not None and events > drop_after:
             stream.close()  # the client goes away mid-answer
             return {"dropped": True}
@@ -111,7 +123,7 @@ def ask(client, model: str, question: str | list[dict], max_tokens: int, drop_af
     tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
     return {"text": "".join(text), "tokens": tokens, "ttft": ttft, "tpot": tpot, "prompt_tokens": usage.prompt_tokens,
-            "cached_tokens": cached or 0, "mat": usage.model_extra["tr_engine"]["mean_accepted_tokens"]}
+            "cached_tokens": cached or 0, "mat": spec.get("mean_acceptance_length")}
 
 
 def load(server: Server, questions: list[str], clients: int, max_tokens: int) -> dict:
@@ -246,12 +258,16 @@ def soak(args, questions: list[str]) -> dict:
     from tr_engine.engine import Engine
 
     matrix = Path(args.out) / ".soak_matrix.pt"
-    matrix.unlink(missing_ok=True)
-    server = Server(args, "--matrix", str(matrix), "--max-queued", "1024")
+    index = matrix.with_suffix(".suffix.pt")
+    for f in (matrix, index):
+        f.unlink(missing_ok=True)
+    extra = ("--suffix-index", str(args.suffix_index)) if args.suffix_index else ()
+    server = Server(args, "--matrix", str(matrix), "--max-queued", "1024", "--save-every", str(args.save_every),
+                    *extra)
     rng = random.Random(0)
     plan = [(rng.choice(questions), rng.randint(8, 160), rng.randint(1, 6) if rng.random() < 0.1 else None)
             for _ in range(args.requests)]
-    lock, done, failures, dropped, rss = threading.Lock(), [0], [], [0], {}
+    lock, done, failures, dropped, rss, samples = threading.Lock(), [0], [], [0], {}, []
 
     def client(own):
         while True:
@@ -272,7 +288,12 @@ def soak(args, questions: list[str]) -> dict:
                 if done[0] == SOAK_BASELINE:
                     rss["after_50"] = server.rss_mb()
                 if done[0] % 50 == 0:
-                    print(f"{done[0]} requests, server RSS {server.rss_mb():.0f} MB", file=sys.stderr, flush=True)
+                    m = server.metrics()
+                    samples.append({"requests": done[0], "rss_mb": server.rss_mb(),
+                                    "index_tokens": m.get("tr_engine_suffix_index_tokens"),
+                                    "index_bytes": m.get("tr_engine_suffix_index_bytes")})
+                    print(f"{done[0]} requests, server RSS {samples[-1]['rss_mb']:.0f} MB, suffix index "
+                          f"{samples[-1]['index_tokens']} tokens", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(server.new_client(),)) for _ in range(args.soak_clients)]
@@ -285,19 +306,23 @@ def soak(args, questions: list[str]) -> dict:
     rss["after_last"] = server.rss_mb()
     with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as response:
         metrics = [line for line in response.read().decode().splitlines() if line.startswith("tr_engine_")]
-    code, out = server.stop()
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype)
-    try:
+    bound = server.metrics().get("tr_engine_suffix_index_bound_bytes")
+    code, out = server.stop(kill=args.kill)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, suffix_bytes=args.suffix_index << 20)
+    try:  # what the server saved last (periodically, or at its graceful end) loads: the matrix and the index beside it
         engine.load_matrix(matrix)
-        loads = bool(engine.matrix.table.any())
+        loads = bool(engine.matrix.table.any()) and (not args.suffix_index or engine.drafting.suffix.requests > 0)
     except Exception as e:  # noqa: BLE001
         loads = f"{type(e).__name__}: {e}"
-    matrix.unlink(missing_ok=True)
+    for f in (matrix, index):
+        f.unlink(missing_ok=True)
     growth = rss["after_last"] / rss["after_50"] - 1
+    within = all(x["index_bytes"] <= bound for x in samples) if args.suffix_index else None
     return {"requests": args.requests, "clients": args.soak_clients, "seconds": wall, "dropped": dropped[0],
             "failed": len(failures), "failures": failures[:10], "rss_mb_after_50": rss["after_50"],
             "rss_mb_after_last": rss["after_last"], "rss_growth": growth, "rss_ok": abs(growth) <= TOLERANCE,
-            "exit_status": code, "matrix_loads": loads, "server_log_tail": out[-2000:], "metrics": metrics}
+            "exit_status": code, "matrix_loads": loads, "server_log_tail": out[-2000:], "metrics": metrics,
+            "samples": samples, "index_bound_bytes": bound, "index_within_bound": within}
 
 
 def write_load(folder: Path, rows: dict, info: dict, args) -> str:
@@ -325,23 +350,37 @@ def write_load(folder: Path, rows: dict, info: dict, args) -> str:
 def write_soak(folder: Path, r: dict, info: dict, args) -> str:
     from bench.machine import machine_line, save_results
 
-    verdict = r["rss_ok"] and r["failed"] == 0 and r["exit_status"] == 0 and r["matrix_loads"] is True
+    ended = "SIGKILL" if args.kill else "SIGTERM"
+    verdict = (r["rss_ok"] and r["failed"] == 0 and r["exit_status"] == (-9 if args.kill else 0)
+               and r["matrix_loads"] is True and r["index_within_bound"] is not False)
+    index = (f", suffix index bounded at {args.suffix_index} MB (--suffix-index)" if args.suffix_index else "")
     lines = ["# Server soak run", "",
              f"{machine_line(info)}. {args.model} in {args.dtype}, `python -m tr_engine.serve` (default method and "
-             f"batch, matrix in a file), {r['requests']} requests from {r['clients']} concurrent `openai` clients, "
-             "dev-split questions, 8 to 160 new tokens each at random, all streamed, a random tenth dropped after 1 "
-             "to 6 events.", "",
+             f"batch, matrix in a file saved every {args.save_every:g} s{index}), {r['requests']} requests from "
+             f"{r['clients']} concurrent `openai` clients, dev-split questions, 8 to 160 new tokens each at random, "
+             f"all streamed, a random tenth dropped after 1 to 6 events; the server ended with {ended}.", "",
              f"- wall time: {r['seconds']:.0f} s",
              f"- dropped on purpose: {r['dropped']}; failed otherwise: {r['failed']}"
              + (f" ({'; '.join(r['failures'])})" if r["failures"] else ""),
              f"- server resident memory: {r['rss_mb_after_50']:.0f} MB after {SOAK_BASELINE} requests, "
              f"{r['rss_mb_after_last']:.0f} MB after the last ({100 * r['rss_growth']:+.1f}%; limit "
-             f"±{100 * TOLERANCE:.0f}%)",
-             "- the server's counters at the end: " + ", ".join(f"`{m}`" for m in r["metrics"]),
-             f"- SIGTERM: exit status {r['exit_status']}; the saved matrix loads: {r['matrix_loads']}",
-             f"- verdict: {'pass' if verdict else 'FAIL'}", ""]
+             f"±{100 * TOLERANCE:.0f}%)"]
+    if args.suffix_index:
+        tokens = [x["index_tokens"] for x in r["samples"]]
+        most = max(x["index_bytes"] for x in r["samples"])
+        lines.append(f"- suffix index: {most / 2**20:.1f} MB at most against its {r['index_bound_bytes'] / 2**20:.1f} "
+                     f"MB bound (within: {r['index_within_bound']}); tokens held every 50 requests: "
+                     f"{', '.join(f'{t:.0f}' for t in tokens[:: max(len(tokens) // 10, 1)])} (full once the oldest "
+                     "requests are evicted)")
+        lines.append("- RSS every 50 requests (MB): " + ", ".join(f"{x['rss_mb']:.0f}" for x in r["samples"][
+            :: max(len(r['samples']) // 10, 1)]))
+    lines += ["- the server's counters at the end: " + ", ".join(f"`{m}`" for m in r["metrics"]),
+              f"- {ended}: exit status {r['exit_status']}; what it saved loads (the matrix"
+              + (" and the suffix index beside it" if args.suffix_index else "") + f"): {r['matrix_loads']}",
+              f"- verdict: {'pass' if verdict else 'FAIL'}", ""]
     text = "\n".join(lines)
-    return save_results(folder / "serve_soak", text, {"args": _args(args), **r}, info)
+    return save_results(folder / ("serve_soak_suffix" if args.suffix_index else "serve_soak"), text,
+                        {"args": _args(args), **r}, info)
 
 
 def _args(args) -> dict:
@@ -370,6 +409,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=integer(1), default=4, help="--multi-turn: the server's --batch")
     ap.add_argument("--requests", type=integer(SOAK_BASELINE + 1), default=500, help="--soak: requests in all")
     ap.add_argument("--soak-clients", type=integer(1), default=16, help="--soak: concurrent clients")
+    ap.add_argument("--suffix-index", type=integer(0), default=0, metavar="MB",
+                    help="--soak: the server keeps a suffix index of this bound (written to serve_soak_suffix.*)")
+    ap.add_argument("--save-every", type=float, default=10.0, metavar="S", help="--soak: the server's --save-every")
+    ap.add_argument("--kill", action="store_true", help="--soak: end the server with SIGKILL, not SIGTERM")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
     rows = load_questions(args.questions_file, None, None)

@@ -124,8 +124,76 @@ def test_streamed_text_equals_the_whole_answer_and_engine_generate(server, alone
         usage = chunks[-1].usage
         assert chunks[-1].choices == [] and usage.total_tokens == whole.usage.total_tokens
         assert usage.prompt_tokens == len(want.prompt_ids) and usage.completion_tokens == len(want.token_ids)
-        assert usage.model_extra["tr_engine"]["method"] == "hybrid"
-        assert usage.model_extra["tr_engine"]["mean_accepted_tokens"] >= 1.0
+        last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)  # (the stream's numbers)
+        for answer in (whole, last):
+            spec = answer.model_extra["metrics"]["speculative_decoding"]
+            assert spec["method"] == "hybrid" and spec["mean_acceptance_length"] >= 1.0
+
+
+def test_every_answer_carries_the_engines_speculative_counts_and_metrics_sum_them(tiny):
+    """vLLM's per-request `metrics.speculative_decoding` and llama.cpp's `timings` in every answer (the stream's
+    last chunk too) are the engine's own counts: a server and an engine alone, both from an empty matrix with the
+    static tree (no timing in the drafts), answer the same requests in the same order with the same numbers; the
+    histogram and the sources add up; /metrics sums the answers'."""
+    s = Server(tiny, "--dtype", "float64", "--batch", "2", "--no-persist", "--max-context", "256", "--tree", "2.2.2",
+               "--prefix-reuse", "off")
+    try:
+        engine = Engine.from_pretrained(tiny, dtype="float64", max_context=256, tree="2.2.2")
+        drafted = accepted = 0
+        by_source = {}
+        for i, prompt in enumerate(["a b c a b c a b c", "the cat sat on the mat, the cat", "hello hello hello"]):
+            want = engine.generate(messages(prompt), 40, method="hybrid").generation
+            if i < 2:
+                got = s.client.chat.completions.create(model=s.model, messages=messages(prompt), max_tokens=40,
+                                                       temperature=0)
+            else:
+                got = [c for c in s.client.chat.completions.create(model=s.model, messages=messages(prompt),
+                                                                   max_tokens=40, temperature=0, stream=True)
+                       if c.choices and c.choices[0].finish_reason][0]
+            spec, timings = got.model_extra["metrics"]["speculative_decoding"], got.model_extra["timings"]
+            assert spec == {"method": "hybrid", **json.loads(json.dumps(want.speculative()))}, prompt
+            assert spec["num_drafts"] == want.steps and spec["num_accepted_tokens"] > 0
+            assert sum(spec["acceptance_histogram"].values()) == spec["num_drafts"]
+            assert sum(int(n) * k for n, k in spec["acceptance_histogram"].items()) == spec["num_accepted_tokens"]
+            sources = spec["by_source"]
+            assert set(sources) == {"matrix", "lookup", "suffix"} and sources["suffix"]["num_draft_tokens"] == 0
+            assert sum(v["num_draft_tokens"] for v in sources.values()) >= spec["num_draft_tokens"]  # (shared nodes)
+            assert max(v["num_accepted_tokens"] for v in sources.values()) <= spec["num_accepted_tokens"]
+            assert timings["draft_n"] == spec["num_draft_tokens"] and timings["draft_n_accepted"] == spec[
+                "num_accepted_tokens"]
+            assert timings["predicted_n"] == len(want.token_ids) and timings["prompt_n"] == want.prompt_tokens
+            drafted, accepted = drafted + timings["draft_n"], accepted + timings["draft_n_accepted"]
+            for name, v in sources.items():
+                by_source[name] = by_source.get(name, 0) + v["num_accepted_tokens"]
+        assert s.metric("tr_engine_draft_tokens_total") == drafted
+        assert s.metric("tr_engine_accepted_draft_tokens_total") == accepted
+        for name, n in by_source.items():
+            assert s.metric(f'tr_engine_accepted_draft_tokens_by_source_total{{source="{name}"}}') == n
+    finally:
+        code, out = s.stop()
+    assert code == 0, out
+
+
+def test_a_request_may_decode_plainly_or_cap_its_drafts_and_a_typo_is_a_400(server, alone):
+    """speculative_config in a request: {"method": "ar"} decodes it plainly, num_speculative_tokens caps its drafts,
+    the same answer either way; an unknown key, a server-wide key or another method is a 400 that names it."""
+    prompt = "a b c a b c a b c a b c"
+    want = alone(messages(prompt), 40).text
+    for config, most in (({"method": "ar"}, 0), ({"num_speculative_tokens": 2}, 2), ({"method": "hybrid"}, None)):
+        got = server.client.chat.completions.create(model=server.model, messages=messages(prompt), max_tokens=40,
+                                                    temperature=0, extra_body={"speculative_config": config})
+        spec = got.model_extra["metrics"]["speculative_decoding"]
+        assert got.choices[0].message.content == want, config
+        if most is not None:
+            assert spec["num_draft_tokens"] <= most * spec["num_drafts"], config
+    assert spec["num_draft_tokens"] > 0  # (uncapped, it drafts: the "ar" request's 0 was its own setting)
+    for config, says in (({"num_speculative_token": 2}, "did you mean 'num_speculative_tokens'"),
+                         ({"disable_by_batch_size": 2}, "unknown key 'disable_by_batch_size'"),
+                         ({"method": "tr"}, "this server drafts with hybrid"), ("fast", "must be a JSON object")):
+        status, _, text = server.request("POST", "/v1/chat/completions", {
+            "messages": messages(prompt), "max_tokens": 4, "speculative_config": config})
+        error = json.loads(text)["error"]
+        assert status == 400 and error["param"] == "speculative_config" and says in error["message"], text
 
 
 def test_completions_take_raw_text_and_token_ids(server, alone):

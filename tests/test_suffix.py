@@ -197,6 +197,31 @@ def test_hybrid_grafts_the_index_branches_under_the_tree():
     assert index.requests == 3
 
 
+def test_a_node_counts_for_every_source_that_proposed_it():
+    """The matrix, prompt lookup and the index proposing one token is one node, counted for all three: a step's
+    draft and accepted tokens by source (the numbers the server reports) follow the node's bits."""
+    from tr_engine.core.drafters import LOOKUP, MATRIX, SUFFIX, Hybrid, PromptLookup, TokenRecycling
+    from tr_engine.core.generation import DraftCounts
+    from tr_engine.core.matrix import RecyclingMatrix
+    from tr_engine.core.tree import build_tree
+
+    matrix = RecyclingMatrix(20, 2)
+    matrix.table[3] = torch.tensor([4, 5])  # the tree drafts 3 -> 4, 5
+    index = SuffixIndex(20, max_bytes=suffix.BYTES_PER_TOKEN * 1024)
+    index.add([1, 2, 3, 4, 6, 7])  # the index continues "1 2 3" with 4 6 7
+    hybrid = Hybrid(TokenRecycling(matrix, build_tree([[0], [1]])), PromptLookup("cpu", length=4), index)
+    draft = hybrid.propose([3, 4, 6, 8, 1, 2, 3])  # prompt lookup copies what followed the earlier 3: 4 6 8 1
+    assert draft.tokens.tolist() == [3, 4, 5, 6, 7, 8, 1]
+    assert draft.tree.parent.tolist() == [0, 0, 0, 1, 3, 3, 5]
+    assert draft.sources == [0, MATRIX | LOOKUP | SUFFIX, MATRIX, LOOKUP | SUFFIX, SUFFIX, LOOKUP, LOOKUP]
+    counts = DraftCounts()
+    counts.count(draft.tree.size, draft.sources, [1, 3, 5])  # 4 6 8 accepted
+    counts.count(1, [0], [])  # a plain step: nothing drafted
+    counts.count(3, [], [1])  # a drafter that does not say where its nodes came from: the totals alone
+    assert (counts.drafted, counts.accepted, counts.histogram) == (8, 4, {3: 1, 0: 1, 1: 1})
+    assert counts.by_source == {"matrix": [2, 1], "lookup": [4, 3], "suffix": [3, 2]}
+
+
 def test_hybrid_with_an_index_is_plain_decoding_and_drafts_earlier_answers(tiny_factory):
     """Lossless alone and in a batch, and the index pays: asked again, a prompt's answer is drafted from the first
     time's, many tokens a step (a random tiny model, where the matrix and prompt lookup draft little)."""

@@ -19,6 +19,7 @@ from tr_engine.core.generation import GenerateResult, Generation, failed, run_to
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.methods import ADAPTIVE, AR, DEFAULT_METHOD, check_method
 from tr_engine.core.sampling import GREEDY, Sampler, Sampling, sampling_of
+from tr_engine.core.speculative_config import DEFAULT_SUFFIX_MB, SpeculativeConfig
 from tr_engine.core.suffix import SuffixIndex
 from tr_engine.errors import InvalidType, InvalidValue, UserError
 from tr_engine.model import cpu, parallel
@@ -41,7 +42,8 @@ class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, tree: str = ADAPTIVE,
                  matrix_k: int = 8, method: str = DEFAULT_METHOD, seed: int | None = None,
                  cuda_graphs: bool | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                 batch_context: int | None = None, suffix_bytes: int = 0):
+                 batch_context: int | None = None, suffix_bytes: int = 0, max_draft: int | None = None,
+                 plain_above: int | None = None):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
         # The ops (tr_engine.model.ops), one namespace for the model, the matrix and the decode loop: the model's.
         self.ops = model.ops
@@ -58,7 +60,8 @@ class Engine:
         # curve that prices them, and the drafter of each method (tr_engine/core/drafting.py).
         key = cost_key(folder.name, model.dtype, model.device, self.ops.kind, self.cuda_graphs, model.shard.world,
                        self.cpu_tier if "kernels" in self.ops.kind else None)
-        self.drafting = Drafting(model, self.cache, key, home(), tree, matrix_k, suffix_bytes)
+        self.drafting = Drafting(model, self.cache, key, home(), tree, matrix_k, suffix_bytes, max_draft)
+        self.plain_above = plain_above  # a batch of more sequences decodes plainly (disable_by_batch_size)
         self.matrix, self.tree, self.tree_spec = self.drafting.matrix, self.drafting.tree, tree
         self.runner = model
         if self.cuda_graphs:
@@ -82,13 +85,14 @@ class Engine:
         return self.drafting.drafter(method)
 
     def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None,
-                    cost: CostModel | None = None, max_tokens: int = BUCKETS[-1], suffix: SuffixIndex | None = None):
+                    cost: CostModel | None = None, max_tokens: int | None = None, suffix: SuffixIndex | None = None):
         """A drafter for `method` (tr, pld, hybrid, or any registered since: tr_engine.core.methods) with the engine's
         tree setting or `tree` ("adaptive", "2.2.2", a file), drafting from `matrix` (default: a new, empty one) and,
         for hybrid, from the suffix index `suffix` (tr_engine/core/suffix.py; default: none).
         Pass it to generate/stream as `drafter=` to run several configurations side by side on one model, each with
         its own state (the benchmarks do). An adaptive tree prices its sizes with the engine's measured curve, or
-        with `cost` pinned (CostModel.flat, say), and verifies at most `max_tokens` tokens."""
+        with `cost` pinned (CostModel.flat, say), and verifies at most `max_tokens` tokens (default: the engine's
+        limit, num_speculative_tokens + 1, or the adaptive tree's largest size)."""
         return self.drafting.new_drafter(method, tree, matrix, cost, max_tokens, suffix)
 
     def cost_model(self, recalibrate: bool = False) -> CostModel:
@@ -128,7 +132,13 @@ class Engine:
         tp: int = 1,
         progress=None,
         suffix_bytes: int = 0,
+        speculative_config: str | dict | None = None,
     ) -> "Engine":
+        """Load a model (a known name or a Hugging Face-format folder) and make an engine for it. `method` is what
+        generate and stream use by default; `speculative_config` (tr_engine/core/speculative_config.py: JSON text or a
+        dict with vLLM's keys) sets the method, the most draft tokens a step verifies and the batch size above which
+        batches decode plainly; `suffix_bytes` bounds hybrid's suffix index (0: none; method "suffix": 64 MB unless
+        given)."""
         if not isinstance(name_or_path, (str, Path)):
             raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
                               f"{type(name_or_path).__name__}")
@@ -144,6 +154,10 @@ class Engine:
         checks.seed(seed)
         checks.integer(max_batch, "--batch", 1)
         checks.integer(suffix_bytes, "suffix_bytes", 0)
+        config = SpeculativeConfig.parse(speculative_config or {}, "speculative_config")
+        method = config.method or method
+        if config.suffix and not suffix_bytes:
+            suffix_bytes = DEFAULT_SUFFIX_MB << 20
         if threads is not None:
             torch.set_num_threads(checks.integer(threads, "--threads", 1, checks.usable_cpus()))
         if max_context is not None:
@@ -163,7 +177,8 @@ class Engine:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
         return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), str(tree), matrix_k,
-                   method, seed, False if tp > 1 else cuda_graphs, max_batch, max_context, suffix_bytes)
+                   method, seed, False if tp > 1 else cuda_graphs, max_batch, max_context, suffix_bytes,
+                   config.num_speculative_tokens, config.disable_by_batch_size)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages
@@ -281,7 +296,7 @@ class Engine:
         drafter = None if method == AR else self.priced(self.drafter(method))
         cache = self.batch_cache()  # (then batch_runner is set)
         return batch_steps(self.batch_runner, cache, requests, drafter, self.tokenizer.eos_ids, self.ops, limit,
-                           reuse_prefix, seeder(drafter, seed_from_prompt))
+                           reuse_prefix, seeder(drafter, seed_from_prompt), self.plain_above)
 
     def result(self, prompt_ids: list[int], gen: Generation) -> GenerateResult:
         """A generation as the API returns it: its text (without the end-of-sequence token that ended it), ids and

@@ -55,13 +55,29 @@ def ops_spec(text: str) -> str:
     return text
 
 
+def speculative_config(text: str):
+    """An argparse type: --speculative-config's JSON, checked (tr_engine/core/speculative_config.py)."""
+    from tr_engine.core.speculative_config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config "))
+    return text
+
+
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"model folder or known name (default {DEFAULT_MODEL})")
     ap.add_argument("--model-dir", default=None, help="folder that holds known models by name (searched first)")
-    ap.add_argument("--method", default=DEFAULT_METHOD, choices=methods(),
+    ap.add_argument("--method", default=None, choices=methods(),
                     help="hybrid (default, the fastest measured here): Token Recycling's tree with prompt lookup's "
                          "chain; tr: Token Recycling alone (with --tree 2.2.2: the paper's setting); pld: prompt "
                          "lookup; ar: plain greedy. Same output tokens")
+    ap.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                    help="vLLM's speculative settings: '{\"method\": \"suffix\", \"num_speculative_tokens\": 16, "
+                         "\"disable_by_batch_size\": 8}' (method: ar, tr, pld or ngram, hybrid, suffix: hybrid with "
+                         "the suffix index; the most draft tokens a step verifies; the batch size above which steps "
+                         "decode plainly)")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
                     help="auto (default: float16 on a CPU, exact and nearest fp32's answers; float32 on a GPU), "
                          "float32, bfloat16 (~10%% faster than float16 on AVX512-BF16 CPUs), float16")
@@ -186,19 +202,27 @@ class CalibrationNotice:
 def engine_from_args(args):
     from tr_engine.engine import Engine  # imports torch: after argument parsing, so --help is instant
 
+    from tr_engine.core.speculative_config import SpeculativeConfig
+
+    chosen = SpeculativeConfig.parse(args.speculative_config or {}).method
+    if args.method is not None and chosen is not None and chosen != args.method:
+        raise UserError(f"--method {args.method} and --speculative-config's method ({chosen}) disagree; give one")
     progress = LoadProgress.on_terminal(args.model)
     try:
         engine = Engine.from_pretrained(args.model, args.device, args.dtype, args.max_context, args.model_dir,
-                                        args.ops, args.threads, args.tree, args.matrix_k, args.method, args.seed,
+                                        args.ops, args.threads, args.tree, args.matrix_k,
+                                        args.method or DEFAULT_METHOD, args.seed,
                                         None if args.cuda_graphs is None else args.cuda_graphs == "on",
                                         max_batch=getattr(args, "batch", 8), tp=args.tp, progress=progress,
-                                        suffix_bytes=args.suffix_index << 20)
+                                        suffix_bytes=args.suffix_index << 20,
+                                        speculative_config=args.speculative_config)
     except BaseException:
         if progress is not None:
             progress.end(ok=False)
         raise
     if progress is not None:
         progress.end(ok=True)
+    args.method = engine.method  # (--speculative-config's, or --method's)
     if args.tree == ADAPTIVE:  # measured at the first adaptive step (or now, on --recalibrate), with a notice
         if engine.model.shard.rank == 0:  # (every rank measures under --tp; one says so)
             engine.on_calibrate = CalibrationNotice()

@@ -25,7 +25,7 @@ cost, no extra token), and the others compete with the tree's nodes for the step
 
 import heapq
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tr_engine.core.cost import BUCKETS, CostModel
 from tr_engine.core.tree import DraftTree, build_tree, trie_children
@@ -102,20 +102,23 @@ class ChainStats:
 class Candidates:
     """One sequence's draft candidates from outside the matrix: a trie under the root (node 0, the last committed
     token; each parent before its children), `value[i]` the estimated probability that node i's whole path is right
-    (never above its parent's)."""
+    (never above its parent's), `source[i]` the bits of the sources that proposed it (tr_engine/core/drafters.py's
+    LOOKUP, SUFFIX; 0 for the root)."""
 
     parent: list[int]
     token: list[int]
     value: list[float]
+    source: list[int] = field(default_factory=list)
 
     @classmethod
-    def chain(cls, root: int, tokens: list[int], values: list[float]) -> "Candidates":
+    def chain(cls, root: int, tokens: list[int], values: list[float], source: int = 0) -> "Candidates":
         """A chain of `tokens` under `root`, its j-th token's whole path right with `values[j]`."""
-        return cls([0] + list(range(len(tokens))), [root] + list(tokens), [1.0] + list(values))
+        return cls([0] + list(range(len(tokens))), [root] + list(tokens), [1.0] + list(values),
+                   [0] + [source] * len(tokens))
 
     def merged(self, other: "Candidates") -> "Candidates":
-        """Both tries in one: a path in both is one node, worth the larger of its two values."""
-        parent, token, value = list(self.parent), list(self.token), list(self.value)
+        """Both tries in one: a path in both is one node, worth the larger of its two values, proposed by both."""
+        parent, token, value, source = list(self.parent), list(self.token), list(self.value), list(self.source)
         kids = self.children()
         where = [0] * len(other.parent)
         for i in range(1, len(other.parent)):
@@ -126,19 +129,21 @@ class Candidates:
                 parent.append(up)
                 token.append(other.token[i])
                 value.append(0.0)
+                source.append(0)
                 kids.append({})
             value[node] = max(value[node], other.value[i])
+            source[node] |= other.source[i]
             where[i] = node
         for i in range(1, len(parent)):  # (a child is never worth more than its parent)
             value[i] = min(value[i], value[parent[i]])
-        return Candidates(parent, token, value)
+        return Candidates(parent, token, value, source)
 
     def children(self) -> list[dict[int, int]]:
         """Per node, its children by token."""
         return trie_children(self.parent, self.token)
 
 
-NO_CANDIDATES = Candidates([0], [0], [1.0])
+NO_CANDIDATES = Candidates([0], [0], [1.0], [0])
 
 
 class StepTimes:

@@ -28,7 +28,7 @@ import torch
 
 from tr_engine.core.decode import uncached
 from tr_engine.core.drafters import Draft
-from tr_engine.core.generation import Generation, run_to_end
+from tr_engine.core.generation import DraftCounts, Generation, run_to_end
 from tr_engine.core.sampling import Sampler, greedy
 from tr_engine.core.speculative import PHASES, PhaseClock, prefill_and_seed, step, stop
 from tr_engine.errors import UserError
@@ -53,9 +53,11 @@ class Request:
     started: float = 0.0  # when its decoding began (after its prefill)
     cancel_event: threading.Event = field(default_factory=threading.Event)  # set from any thread: cancel()
     ignore_eos: bool = False  # decode past the end-of-sequence token, to max_new_tokens (a benchmark's fixed length)
+    max_draft: int | None = None  # the most draft tokens one of its steps verifies (0: plain steps; None: the tree's)
     prefilled: int = 0  # prompt tokens its prefill ran (those its cache did not hold already)
     reused: int = 0  # prompt tokens its cache held already (an earlier turn's, or a shared system prompt's)
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # its steps', by phase
+    drafts: DraftCounts = field(default_factory=DraftCounts)  # draft tokens verified and accepted, by source
     history: list[int] = field(init=False, repr=False)  # the prompt and the answer so far, kept as they grow
 
     def __post_init__(self):
@@ -79,7 +81,7 @@ class Request:
                           prompt_tokens=self.prefilled, prefill_s=self.prefill_s,
                           decode_s=time.perf_counter() - self.started, steps=len(self.accept_lengths),
                           accept_lengths=self.accept_lengths, verify_tokens=self.verify_tokens,
-                          step_end_s=self.step_end_s, phase_s=self.phase_s)
+                          step_end_s=self.step_end_s, phase_s=self.phase_s, drafts=self.drafts)
 
 
 @dataclass
@@ -111,7 +113,8 @@ class Listed:
 
 
 def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: tuple[int, ...], ops,
-                limit: int | None = None, reuse_prefix: bool = False, seed_matrix: Callable | None = None):
+                limit: int | None = None, reuse_prefix: bool = False, seed_matrix: Callable | None = None,
+                plain_above: int | None = None):
     """Decode `requests` with at most `limit` (default cache.slots) of them in each forward, drafting with `drafter`
     (None: plain decoding). Yields Events as tokens are committed; a request ends with an Event carrying its
     Generation or its error. `requests` is an iterable of Requests in id order, or a source whose take(block)
@@ -121,7 +124,9 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     request takes the free slot that holds
     the longest start of its prompt (a finished request's prompt and answer stay in its slot) and prefills only the
     rest: the same bits as a cold prefill, the kernels being row-independent. `seed_matrix(ids, logits)`, if given,
-    receives every prefill's logits at each prefilled position (Token Recycling's optional prompt seeding)."""
+    receives every prefill's logits at each prefilled position (Token Recycling's optional prompt seeding). With
+    `plain_above`, a step of more sequences than that decodes plainly (--speculative-config's disable_by_batch_size);
+    a request's `max_draft` caps its own drafts."""
     limit = cache.slots if limit is None else min(limit, cache.slots)
     source, active = requests if hasattr(requests, "take") else Listed(requests), {}
     clock, before = PhaseClock(), {}  # the steps' seconds by phase (the whole batch's), and at the last step's start
@@ -186,13 +191,17 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 continue
             order = sorted(active.values(), key=lambda r: r.id)  # request order: the order they recycle in
             slots = [r.slot for r in order]
-            drafts, committed = step(model, [cache.view(s) for s in slots], [r.history for r in order], drafter, ops,
-                                     [r.sampler for r in order], [len(r.out) for r in order],
-                                     verify_many=lambda drafts: verify_batch(model, cache, slots, drafts), clock=clock)
+            drafting = drafter if plain_above is None or len(order) <= plain_above else None
+            limits = None if all(r.max_draft is None for r in order) else [
+                None if r.max_draft is None else r.max_draft + 1 for r in order]
+            drafts, accepted = step(model, [cache.view(s) for s in slots], [r.history for r in order], drafting, ops,
+                                    [r.sampler for r in order], [len(r.out) for r in order],
+                                    verify_many=lambda drafts: verify_batch(model, cache, slots, drafts), clock=clock,
+                                    limits=limits)
             now = time.perf_counter()
             spent = {phase: clock.seconds[phase] - before.get(phase, 0.0) for phase in clock.seconds}
             before = dict(clock.seconds)
-            for r, draft, tokens in zip(order, drafts, committed):
+            for r, draft, (path, tokens) in zip(order, drafts, accepted):
                 for phase, seconds in spent.items():
                     r.phase_s[phase] += seconds
                 tokens, finished = stop(tokens, len(r.out), r.max_new_tokens, ends(r))
@@ -200,6 +209,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 r.commit(tokens)
                 r.accept_lengths.append(len(tokens))
                 r.verify_tokens.append(draft.tree.size)
+                r.drafts.count(draft.tree.size, draft.sources, path[: len(tokens)])
                 yield Event(r.id, tokens, done=finish(r) if finished else None)
     finally:  # stopped early (Ctrl-C, a closed stream, an error): the slots go back, emptied (a step may have been
         for r in list(active.values()):  # cut between a compaction and its commit), the sequences are dropped

@@ -31,7 +31,7 @@ import torch
 from tr_engine.core.adaptive import AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, DEPTHS, confidence_bin
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.suffix import MAX_MATCH, Continuations, SuffixIndex
-from tr_engine.core.tree import DraftTree, chain_tree, graft
+from tr_engine.core.tree import DraftTree, chain_tree, graft, truncate_tree
 
 
 @dataclass
@@ -42,15 +42,36 @@ class Draft:
     prefix: int = 0  # tokens before this step (the context so far)
     chain: list[int] = field(default_factory=list)  # the chain prompt lookup found (hybrid), before any cut
     suffix: Continuations | None = None  # what the suffix index offered (hybrid with an index), before any cut
+    sources: list[int] = field(default_factory=list)  # per node, the bits of the SOURCES that proposed it (root: 0)
+
+    def cut(self, size: int) -> "Draft":
+        """This draft, or its first `size` nodes (breadth-first: every kept node's parent is kept) when it has more."""
+        if self.tree.size <= size:
+            return self
+        return replace(self, tree=truncate_tree(self.tree, size), tokens=self.tokens[:size],
+                       sources=self.sources[:size])
+
+
+SOURCES = ("matrix", "lookup", "suffix")  # where a draft node came from: bit i is SOURCES[i]
+MATRIX, LOOKUP, SUFFIX = 1, 2, 4
+
+
+def source_names(bits: int) -> list[str]:
+    """The SOURCES named by `bits`."""
+    return [name for i, name in enumerate(SOURCES) if bits >> i & 1]
 
 
 class DrafterSetup:
-    """What the engine offers a drafter's build: the device, the static tree (DraftTree), the suffix index of
-    everything decoded so far (None when the engine keeps none), and, made on first use, the recycling matrix and the
-    adaptive tree's planner (None for a static tree)."""
+    """What the engine offers a drafter's build: the device, the static tree (DraftTree, cut to `max_tokens`), the
+    suffix index of everything decoded so far (None when the engine keeps none), the most tokens a verify may take
+    (the root included: --speculative-config's num_speculative_tokens + 1), and, made on first use, the recycling
+    matrix and the adaptive tree's planner (None for a static tree)."""
 
     def __init__(self, device: torch.device, tree: DraftTree, matrix: Callable[[], RecyclingMatrix],
-                 adaptive: Callable[[], AdaptiveTrees | None], suffix: SuffixIndex | None = None):
+                 adaptive: Callable[[], AdaptiveTrees | None], suffix: SuffixIndex | None = None,
+                 max_tokens: int | None = None):
+        self.max_tokens = tree.size if max_tokens is None else max_tokens
+        tree = tree if tree.size <= self.max_tokens else truncate_tree(tree, self.max_tokens)
         self.device, self.tree, self._matrix, self._adaptive, self.suffix = device, tree, matrix, adaptive, suffix
 
     @cached_property
@@ -107,7 +128,8 @@ class TokenRecycling:
 
     def draft(self, history: list[int], tree: DraftTree) -> Draft:
         root = torch.tensor(history[-1], device=self.matrix.table.device)
-        return Draft(tree, self.matrix.retrieve(root, tree), root=history[-1], prefix=len(history))
+        return Draft(tree, self.matrix.retrieve(root, tree), root=history[-1], prefix=len(history),
+                     sources=[0] + [MATRIX] * (tree.size - 1))
 
     def learn(self, draft: Draft, committed: list[int], seconds: float = 0.0) -> None:
         if self.adaptive is not None:  # how the committed path fared in the rows that drafted it (before recycling)
@@ -138,19 +160,21 @@ class PromptLookup:
     prompt and output so far, and draft the up to `length` tokens that followed it."""
 
     name = "pld"
+    LENGTH = 10  # the chain's length, at most
 
-    def __init__(self, device, length: int = 10, max_ngram: int = 3):
+    def __init__(self, device, length: int = LENGTH, max_ngram: int = 3):
         self.device, self.length, self.max_ngram = device, length, max_ngram
         self.chains = [chain_tree(n).to(device) for n in range(length + 1)]
 
     @classmethod
     def build(cls, setup: DrafterSetup) -> "PromptLookup":
-        return cls(setup.device)
+        return cls(setup.device, length=min(cls.LENGTH, setup.max_tokens - 1))
 
     def propose(self, history: list[int]) -> Draft:
         draft = self.lookup(history)
         tokens = torch.tensor([history[-1]] + draft, dtype=torch.long, device=self.device)
-        return Draft(self.chains[len(draft)], tokens, root=history[-1], prefix=len(history))
+        return Draft(self.chains[len(draft)], tokens, root=history[-1], prefix=len(history),
+                     sources=[0] + [LOOKUP] * len(draft))
 
     def lookup(self, history: list[int]) -> list[int]:
         for n in range(min(self.max_ngram, len(history) - 1), 0, -1):
@@ -191,8 +215,9 @@ class Hybrid:
     name = "hybrid"
     SUFFIX_DEPTH = 16  # the longest continuation taken from the index
 
-    def __init__(self, tr: TokenRecycling, lookup: PromptLookup, suffix: SuffixIndex | None = None):
-        self.tr, self.lookup, self.suffix = tr, lookup, suffix
+    def __init__(self, tr: TokenRecycling, lookup: PromptLookup, suffix: SuffixIndex | None = None,
+                 max_tokens: int | None = None):
+        self.tr, self.lookup, self.suffix, self.max_tokens = tr, lookup, suffix, max_tokens
         self.chain_stats = ChainStats(lookup.length)
         # The index's candidates' acceptance, learned apart for matches that agree with the history on a few tokens,
         # on more, and on all MAX_MATCH (a request seen before): how far a match agrees says much of how far it goes on.
@@ -201,7 +226,7 @@ class Hybrid:
 
     @classmethod
     def build(cls, setup: DrafterSetup) -> "Hybrid":
-        return cls(TokenRecycling.build(setup), PromptLookup.build(setup), setup.suffix)
+        return cls(TokenRecycling.build(setup), PromptLookup.build(setup), setup.suffix, setup.max_tokens)
 
     @property
     def adaptive(self) -> AdaptiveTrees | None:
@@ -216,9 +241,10 @@ class Hybrid:
         extra = self.candidates(history, found, offered)
         if self.tr.adaptive is not None:
             tree, chosen = self.tr.plan(history, extra)
-        else:  # the static tree, every candidate added
+        else:  # the static tree, every candidate added (as many as the verify may take)
             tree, chosen = self.tr.tree, list(range(1, len(extra.parent)))
-        return replace(self.compose(history, tree, extra, chosen, found), suffix=offered)
+        draft = replace(self.compose(history, tree, extra, chosen, found), suffix=offered)
+        return draft if self.max_tokens is None else draft.cut(self.max_tokens)
 
     def propose_batch(self, histories: list[list[int]]) -> list[Draft]:
         """One batched step's drafts: with the adaptive tree, trees and extra candidates planned together."""
@@ -241,7 +267,7 @@ class Hybrid:
         """This step's candidates from outside the matrix: prompt lookup's chain, each token valued by the chain's
         observed acceptance, and the index's continuations, each valued by the rates of its path's empirical
         probabilities (a candidate both offer is one node, worth the larger value)."""
-        chain = Candidates.chain(history[-1], found, self.chain_stats.values(len(found)))
+        chain = Candidates.chain(history[-1], found, self.chain_stats.values(len(found)), LOOKUP)
         if offered is None:
             return chain
         rates = self.suffix_stats[agreement_class(offered.agree)].rates()
@@ -251,7 +277,7 @@ class Hybrid:
             depth.append(depth[up] + 1)
             rate = rates[min(depth[up], DEPTHS - 1)][confidence_bin(offered.confidence(i))]
             value.append(value[up] * rate)
-        suffix = Candidates(offered.parent, offered.token, value)
+        suffix = Candidates(offered.parent, offered.token, value, [0] + [SUFFIX] * (len(value) - 1))
         return suffix.merged(chain) if found else suffix
 
     def compose(self, history: list[int], tree: DraftTree, extra: Candidates, chosen: list[int],
@@ -259,7 +285,7 @@ class Hybrid:
         """The draft of `tree` from the matrix with the `chosen` nodes of `extra` (parents first) grafted in: each
         follows the tree while the tree already drafts its token, and hangs under its parent where it does not."""
         draft = replace(self.tr.draft(history, tree), chain=found)
-        tokens, n = draft.tokens.tolist(), tree.size
+        tokens, sources, n = draft.tokens.tolist(), draft.sources, tree.size
         at, parents, new, added = {0: 0}, [], [], {}  # extra node -> token index; the grafted nodes
         for i in chosen:
             up, token = at[extra.parent[i]], extra.token[i]
@@ -270,6 +296,8 @@ class Hybrid:
                 child = added[(up, token)] = n + len(parents)
                 parents.append(up)
                 new.append(token)
+                sources.append(0)
+            sources[child] |= extra.source[i]  # (one node, however many sources proposed it)
             at[i] = child
         if not parents:
             return draft

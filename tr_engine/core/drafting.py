@@ -21,11 +21,12 @@ from tr_engine.model.llama import Llama
 class Drafting:
     """The matrix, the trees, the cost curve and the suffix index of one model on one cache (`key`: what the curve
     depends on, cost.cost_key; `home`: the folder whose costs/ caches it; `suffix_bytes`: the suffix index's bound,
-    0 for none)."""
+    0 for none; `max_draft`: the most draft tokens a step verifies, None for the trees' own limits)."""
 
     def __init__(self, model: Llama, cache, key: dict, home: Path, tree: str = ADAPTIVE, matrix_k: int = 8,
-                 suffix_bytes: int = 0):
+                 suffix_bytes: int = 0, max_draft: int | None = None):
         self.model, self.cache, self.key, self.home = model, cache, key, home
+        self.max_tokens = BUCKETS[-1] if max_draft is None else max_draft + 1  # a verify's tokens, the root included
         self.matrix = RecyclingMatrix(model.config.vocab_size, matrix_k, model.device, model.ops)
         # Every finished request's tokens, for hybrid's drafts (tr_engine/core/suffix.py), shared like the matrix.
         self.suffix = SuffixIndex(model.config.vocab_size, suffix_bytes) if suffix_bytes else None
@@ -45,10 +46,11 @@ class Drafting:
         return self.drafters[method]
 
     def new_drafter(self, method: str, tree: str | None = None, matrix: RecyclingMatrix | None = None,
-                    cost: CostModel | None = None, max_tokens: int = BUCKETS[-1], suffix: SuffixIndex | None = None):
+                    cost: CostModel | None = None, max_tokens: int | None = None, suffix: SuffixIndex | None = None):
         """A drafter for `method` with the tree setting `tree` (default this one's), drafting from `matrix` (default a
         new, empty one) and, for hybrid, from the suffix index `suffix` (default none); an adaptive tree priced by
-        this curve, or by `cost` pinned, verifying at most `max_tokens`."""
+        this curve, or by `cost` pinned; every verify at most `max_tokens` tokens (default this one's)."""
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
         if method not in DRAFTERS:
             raise UserError(f"no drafter for method {method!r}; choose one of {', '.join(DRAFTERS)}")
         tree = tree or self.tree_spec
@@ -65,7 +67,7 @@ class Drafting:
                 return None
             return AdaptiveTrees(cost, max_tokens, device=device, pinned=cost is not None, shard=self.model.shard)
 
-        return drafter_class(method).build(DrafterSetup(device, static, new_matrix, new_adaptive, suffix))
+        return drafter_class(method).build(DrafterSetup(device, static, new_matrix, new_adaptive, suffix, max_tokens))
 
     def cost_model(self, runner, recalibrate: bool = False, notify=None) -> tuple[CostModel, bool]:
         """The curve, and whether it was measured now (through `runner`, the model or its CUDA graphs, in the cache,

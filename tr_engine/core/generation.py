@@ -3,6 +3,45 @@ text beside them), and run_to_end, which drives a decode generator without strea
 
 from dataclasses import dataclass, field
 
+from tr_engine.core.drafters import SOURCES
+
+
+@dataclass
+class DraftCounts:
+    """A generation's draft tokens (every node its verifies checked, roots left out) and how many of them it committed
+    (bonus tokens left out), in all and by the source that proposed them (tr_engine/core/drafters.py's SOURCES: a node
+    two sources proposed counts for both, once in the totals)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    by_source: dict[str, list[int]] = field(default_factory=lambda: {s: [0, 0] for s in SOURCES})  # [drafted, accepted]
+    histogram: dict[int, int] = field(default_factory=dict)  # draft tokens accepted by a step -> steps
+
+    def count(self, size: int, sources: list[int], path: list[int]) -> None:
+        """One step: the draft's size (root included), its per-node source bits (root first; empty from a drafter
+        that does not say: counted in the totals only) and the nodes accepted."""
+        self.drafted += size - 1
+        self.accepted += len(path)
+        self.histogram[len(path)] = self.histogram.get(len(path), 0) + 1
+        if not sources:
+            return
+        for which, nodes in ((0, range(1, len(sources))), (1, path)):
+            for node in nodes:
+                bits = sources[node]
+                for i, name in enumerate(SOURCES):
+                    if bits >> i & 1:
+                        self.by_source[name][which] += 1
+
+    def add(self, other: "DraftCounts") -> None:
+        """Fold another generation's counts into these (a server's totals)."""
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        for n, steps in other.histogram.items():
+            self.histogram[n] = self.histogram.get(n, 0) + steps
+        for name, (d, a) in other.by_source.items():
+            self.by_source[name][0] += d
+            self.by_source[name][1] += a
+
 
 @dataclass
 class Generation:
@@ -18,6 +57,31 @@ class Generation:
     phase_s: dict[str, float] = field(default_factory=dict)  # decode seconds by phase (speculative methods)
     verify_tokens: list[int] = field(default_factory=list)  # tokens each step's forward verified (root included)
     step_end_s: list[float] = field(default_factory=list)  # batched: when each step ended, in seconds of decode_s
+    drafts: DraftCounts = field(default_factory=DraftCounts)  # draft tokens verified and accepted, by source
+
+    def speculative(self) -> dict:
+        """The speculative numbers in the shape vLLM reports per request (`metrics.speculative_decoding`): verify
+        steps (drafts), draft tokens (every tree node, roots left out) and those accepted (bonus tokens left out), mean
+        acceptance length (1 + accepted per step: the bonus counted), acceptance rate, the histogram of accepted draft
+        tokens per step, and the same counts by source (matrix, lookup, suffix)."""
+        d, steps = self.drafts, self.steps
+        return {"num_drafts": steps, "num_draft_tokens": d.drafted, "num_accepted_tokens": d.accepted,
+                "mean_acceptance_length": round(1 + d.accepted / steps, 4) if steps else 0.0,
+                "acceptance_rate": round(d.accepted / d.drafted, 4) if d.drafted else 0.0,
+                "acceptance_histogram": dict(sorted(d.histogram.items())),
+                "by_source": {name: {"num_draft_tokens": n, "num_accepted_tokens": a}
+                              for name, (n, a) in d.by_source.items()}}
+
+    def timings(self, cached: int = 0) -> dict:
+        """llama.cpp's server `timings`: prompt and predicted tokens and milliseconds, tokens per second, tokens the
+        cache held (`cache_n`), and the draft's tokens and those accepted (`draft_n`, `draft_n_accepted`)."""
+        prompt_ms, predicted_ms = 1000 * self.prefill_s, 1000 * self.decode_s
+        n = len(self.token_ids)
+        return {"cache_n": cached, "prompt_n": self.prompt_tokens, "prompt_ms": round(prompt_ms, 3),
+                "prompt_per_second": round(1000 * self.prompt_tokens / prompt_ms, 3) if prompt_ms else 0.0,
+                "predicted_n": n, "predicted_ms": round(predicted_ms, 3),
+                "predicted_per_second": round(1000 * n / predicted_ms, 3) if predicted_ms else 0.0,
+                "draft_n": self.drafts.drafted, "draft_n_accepted": self.drafts.accepted}
 
 
 @dataclass
@@ -57,6 +121,7 @@ class GenerateResult:
             "mean_accepted_tokens": round(self.mean_accepted, 4),
             "accept_length_histogram": dict(sorted(histogram.items())),
             "phase_s": {k: round(v, 6) for k, v in g.phase_s.items()},
+            "speculative_decoding": g.speculative(),
         }
 
 

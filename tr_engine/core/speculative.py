@@ -17,14 +17,13 @@ tests/test_speculative.py holds the reference and the loop to the same tokens.
 """
 
 import time
-from dataclasses import replace
 
 import torch
 
 from tr_engine.core.decode import prefill
 from tr_engine.core.drafters import Draft
 from tr_engine.core.sampling import Sampler, greedy
-from tr_engine.core.tree import DraftTree, chain_tree, truncate_tree
+from tr_engine.core.tree import DraftTree, chain_tree
 from tr_engine.model.kv_cache import KVCache
 from tr_engine.model.llama import Llama
 
@@ -105,10 +104,7 @@ def accept_sampled(draft: Draft, logits: torch.Tensor, sampler: Sampler, j: int)
 def fits(draft: Draft, cache: KVCache) -> Draft:
     """The draft, or its first tokens when the whole tree would run past the cache's end (a verify step writes its
     tokens' K/V after the committed ones before compaction). While decoding, at least the root and one node fit."""
-    room = cache.capacity - cache.length
-    if draft.tree.size <= room:
-        return draft
-    return replace(draft, tree=truncate_tree(draft.tree, room), tokens=draft.tokens[:room])
+    return draft.cut(cache.capacity - cache.length)
 
 
 def compact(cache: KVCache, path: list[int], ops) -> None:
@@ -144,10 +140,12 @@ class PhaseClock:
 _ROOT_ALONE: dict[torch.device, DraftTree] = {}  # device -> the one-node tree of a plain step
 
 
-def retrieve(drafter, histories: list[list[int]], caches: list[KVCache]) -> list[Draft]:
-    """Each sequence's draft for this step, cut to the room its cache has left (fits): from the drafter (planned
-    together for several sequences where it can: one forward's budget split among them), or with no drafter the root
-    alone (a plain step)."""
+def retrieve(drafter, histories: list[list[int]], caches: list[KVCache], limits: list[int | None] | None = None
+             ) -> list[Draft]:
+    """Each sequence's draft for this step, cut to the room its cache has left (fits) and to its limit, if it has one
+    (`limits[i]`: the most tokens its verify may take, the root included): from the drafter (planned together for
+    several sequences where it can: one forward's budget split among them), or with no drafter the root alone (a
+    plain step)."""
     if drafter is None:
         device = caches[0].data.device
         tree = _ROOT_ALONE.get(device)
@@ -158,22 +156,25 @@ def retrieve(drafter, histories: list[list[int]], caches: list[KVCache]) -> list
         drafts = drafter.propose_batch(histories)
     else:
         drafts = [drafter.propose(h) for h in histories]
-    return [fits(d, c) for d, c in zip(drafts, caches)]
+    drafts = [fits(d, c) for d, c in zip(drafts, caches)]
+    return drafts if limits is None else [d if n is None else d.cut(n) for d, n in zip(drafts, limits)]
 
 
 @torch.inference_mode()
 def step(model: Llama, caches: list[KVCache], histories: list[list[int]], drafter, ops,
-         samplers: list[Sampler | None], done: list[int], verify_many=None,
-         clock: PhaseClock | None = None) -> tuple[list[Draft], list[list[int]]]:
+         samplers: list[Sampler | None], done: list[int], verify_many=None, clock: PhaseClock | None = None,
+         limits: list[int | None] | None = None) -> tuple[list[Draft], list[tuple[list[int], list[int]]]]:
     """One forward for one sequence or many: retrieve -> verify -> accept -> compact -> learn -> recycle.
 
     Sequence i has its own cache (`caches[i]`, holding all of `histories[i]` but its last token, the root), its
     sampler (None: greedy) and `done[i]` tokens generated before this step (its sampled draws' index). Several
     sequences are verified by `verify_many(drafts)`, one ragged forward over their caches (tr_engine/core/batch.py).
-    Returns each sequence's draft and the tokens it commits (before stop rules: `stop`)."""
+    `limits[i]`, if given, caps sequence i's verify tokens (retrieve).
+    Returns each sequence's draft and what it accepted: the accepted nodes and the tokens it commits (those nodes'
+    and the bonus token; before stop rules: `stop`)."""
     clock = clock or PhaseClock()
     clock.start()
-    drafts = retrieve(drafter, histories, caches)
+    drafts = retrieve(drafter, histories, caches, limits)
     clock.lap("retrieve")
     logits, rows, top = verify_all(model, caches, drafts, drafter, samplers, verify_many)
     clock.lap("verify")
@@ -189,7 +190,7 @@ def step(model: Llama, caches: list[KVCache], histories: list[list[int]], drafte
         learn(drafter, drafts, accepted, seconds)
         recycle(drafter, drafts, logits, rows, top)
     clock.lap("recycle")
-    return drafts, [tokens for _, tokens in accepted]
+    return drafts, accepted
 
 
 def verify_all(model: Llama, caches: list[KVCache], drafts: list[Draft], drafter, samplers, verify_many):

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 
 from tr_engine import checks
 from tr_engine.core.sampling import Sampling
-from tr_engine.errors import one_line
+from tr_engine.core.speculative_config import REQUEST_KEYS, SpeculativeConfig
+from tr_engine.errors import UserError, one_line
 
 MAX_STOPS = 4  # as OpenAI's API: up to four stop sequences
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "ignore_eos", "n", "user", "metadata", "store", "service_tier", "presence_penalty", "frequency_penalty",
-                 "logit_bias", "logprobs"}
+                 "ignore_eos", "speculative_config", "n", "user", "metadata", "store", "service_tier",
+                 "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "functions", "function_call", "parallel_tool_calls", "response_format", "modalities"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
@@ -64,6 +65,7 @@ class Job:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False  # an extension, as vLLM's: decode to max_tokens whatever the model says
+    max_draft: int | None = None  # speculative_config's: the most draft tokens a step verifies (0: plain decoding)
 
 
 def read_body(raw: bytes, fields: set[str]) -> dict:
@@ -86,8 +88,8 @@ def read_body(raw: bytes, fields: set[str]) -> dict:
     return body
 
 
-def read_job(body: dict, chat: bool, model_name: str, defaults: Sampling) -> Job:
-    """A chat (or completion) request's Job; sampling fields left out take `defaults`."""
+def read_job(body: dict, chat: bool, model_name: str, defaults: Sampling, method: str = "hybrid") -> Job:
+    """A chat (or completion) request's Job; sampling fields left out take `defaults`; `method` is the server's."""
     model = body.get("model")
     if model is not None and model != model_name:
         raise APIError(404, f"the model {_show(model)} does not exist here; this server serves {model_name!r} "
@@ -121,7 +123,29 @@ def read_job(body: dict, chat: bool, model_name: str, defaults: Sampling) -> Job
         raise APIError(400, f"seed must be an integer in 0..{checks.MAX_SEED}, got {_show(seed)}", "seed")
     prompt = _messages(body) if chat else _prompt(body)
     return Job(prompt, chat, max_tokens, Sampling(temperature, top_k, top_p), seed, _stops(body), stream,
-               include_usage, _flag(body, "ignore_eos"))
+               include_usage, _flag(body, "ignore_eos"), _max_draft(body, method))
+
+
+def _max_draft(body: dict, method: str) -> int | None:
+    """The request's own speculative_config: plain decoding ("ar") or a cap on the server's drafts."""
+    value = body.get("speculative_config")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise APIError(400, f"speculative_config must be a JSON object like {{\"num_speculative_tokens\": 8}}, got "
+                            f"{_show(value)}", "speculative_config")
+    try:
+        config = SpeculativeConfig.parse(value, "speculative_config", REQUEST_KEYS)
+    except UserError as e:
+        raise APIError(400, f"{e} (a request may set these; the rest is the server's --speculative-config)",
+                       "speculative_config")
+    if config.method == "ar":
+        return 0
+    if config.method is not None and (config.method != method or config.suffix):
+        raise APIError(400, f"speculative_config: this server drafts with {method}; a request may turn drafting off "
+                            "(\"method\": \"ar\") or cap it (num_speculative_tokens), not change the method",
+                       "speculative_config")
+    return config.num_speculative_tokens
 
 
 def _messages(body: dict) -> list[dict]:

@@ -13,10 +13,15 @@ them. A request the server cannot take gets the OpenAI API's error shape, {"erro
 for what a client sent.
 
 Sampling fields a request leaves out take the server's flags (--temperature, --top-p, --top-k: greedy unless the
-server was started otherwise). Beyond OpenAI's fields, a request may set `top_k` and `ignore_eos` (vLLM's: decode to
-max_tokens past the end-of-sequence token), and `usage.tr_engine` reports the request's method, mean accepted tokens
-per step (MAT) and decode steps; `usage.prompt_tokens_details.cached_tokens` (OpenAI's field) counts the prompt
-tokens that were not prefilled again because a slot held them (the conversation's earlier turns: prefix reuse).
+server was started otherwise). Beyond OpenAI's fields, a request may set `top_k`, `ignore_eos` (vLLM's: decode to
+max_tokens past the end-of-sequence token) and `speculative_config` ({"method": "ar"} to decode it plainly, or
+{"num_speculative_tokens": N} to cap its drafts: tr_engine/core/speculative_config.py; an unknown key is a 400).
+Every answer (a stream's last chunk) carries the request's speculative numbers where vLLM puts them,
+`metrics.speculative_decoding` (verify steps, draft tokens and those accepted, mean acceptance length, acceptance
+rate and its histogram, by source: matrix, prompt lookup, suffix index; and the method), and llama.cpp's `timings`
+(prompt_n, predicted_n, their milliseconds, cache_n, draft_n, draft_n_accepted);
+`usage.prompt_tokens_details.cached_tokens` (OpenAI's field) counts the prompt tokens that were not prefilled again
+because a slot held them (the conversation's earlier turns: prefix reuse).
 """
 
 import asyncio
@@ -30,7 +35,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from tr_engine.core.generation import DraftCounts, Generation
 from tr_engine.core.sampling import Sampling
+from tr_engine.core.suffix import BYTES_PER_TOKEN
 from tr_engine.errors import ContextOverflow, UserError, one_line
 from tr_engine.model.tokenizer import StreamDecoder
 from tr_engine.serving.api_schema import CHAT_FIELDS, COMPLETION_FIELDS, APIError, Job, Shape, read_body, read_job
@@ -62,6 +69,7 @@ class Metrics:
     completion_tokens: int = 0
     decode_tokens: int = 0  # tokens committed by decode steps (MAT's numerator: the prefill's token is not one)
     decode_steps: int = 0
+    drafts: DraftCounts = field(default_factory=DraftCounts)  # draft tokens verified and accepted, by source
 
     def count(self, outcome: str) -> None:
         self.requests[outcome] = self.requests.get(outcome, 0) + 1
@@ -101,6 +109,7 @@ class Answer:
         self.tokens: list[int] = []
         self.steps = 0
         self.finish_reason: str | None = None
+        self.generation: Generation | None = None  # the engine's account of the request, once it ended
 
     @property
     def prompt_tokens(self) -> int:
@@ -124,6 +133,7 @@ class Answer:
                 if self.stops.hit:
                     self.handle.cancel()
                     self.finish_reason = "stop"
+                    self.generation = self.handle.request.generation(self.state.engine.tokenizer.eos_ids)
                     return
             try:
                 gen = self.handle.result()
@@ -134,6 +144,7 @@ class Answer:
                                         "again once it is back", kind="server_error", code="shutting_down",
                                    headers={"Retry-After": str(RETRY_AFTER_S)})
                 raise APIError(500, f"the request could not finish: {e}", kind="server_error", code="engine_error")
+            self.generation = gen
             text = self.stops.push(self.decoder.flush())
             text += "" if self.stops.hit else self.stops.flush()
             if text:
@@ -157,13 +168,18 @@ class Answer:
                 raise ClientGone()
 
     def usage(self) -> dict:
-        decode = self.tokens[1:]  # the first token comes from the prefill; each later event is one decode step
-        steps = max(self.steps - 1, 0)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
                 "total_tokens": self.prompt_tokens + len(self.tokens),
-                "prompt_tokens_details": {"cached_tokens": self.handle.request.reused},
-                "tr_engine": {"method": self.state.scheduler.method, "decode_steps": steps,
-                              "mean_accepted_tokens": round(len(decode) / steps, 4) if steps else 0.0}}
+                "prompt_tokens_details": {"cached_tokens": self.handle.request.reused}}
+
+    def extras(self) -> dict:
+        """What an answer carries beside OpenAI's fields: vLLM's per-request `metrics.speculative_decoding` (with
+        the method) and llama.cpp's `timings` (empty before the request ended)."""
+        if self.generation is None:
+            return {}
+        spec = {"method": self.state.scheduler.method, **self.generation.speculative()}
+        return {"metrics": {"speculative_decoding": spec},
+                "timings": self.generation.timings(self.handle.request.reused)}
 
     def _account(self) -> None:
         m = self.state.metrics
@@ -173,6 +189,8 @@ class Answer:
         m.completion_tokens += len(self.tokens)
         m.decode_tokens += max(len(self.tokens) - 1, 0)
         m.decode_steps += max(self.steps - 1, 0)
+        if self.generation is not None:
+            m.drafts.add(self.generation.drafts)
 
 
 def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None = None) -> FastAPI:
@@ -231,7 +249,7 @@ def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None 
     async def complete(request: Request, chat: bool):
         state = app.state
         body = read_body(await request.body(), CHAT_FIELDS if chat else COMPLETION_FIELDS)
-        job = read_job(body, chat, model_name, state.defaults.sampling)
+        job = read_job(body, chat, model_name, state.defaults.sampling, state.scheduler.method)
         handle = submit(state, job)
         answer = Answer(state, job, handle)
         ids = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -243,7 +261,7 @@ def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None 
             text = "".join([piece async for piece in answer.pieces(request.is_disconnected)])
         except ClientGone:  # nobody to answer; the request was cancelled and its slot freed
             return Response(status_code=499)
-        return shape.whole(text, answer.finish_reason, answer.usage())
+        return {**shape.whole(text, answer.finish_reason, answer.usage()), **answer.extras()}
 
     return app
 
@@ -255,7 +273,8 @@ def respond(e: APIError) -> JSONResponse:
 def submit(state, job: Job):
     try:
         return state.scheduler.submit(job.prompt, job.max_tokens, chat_template=job.chat, sampling=job.sampling,
-                                      seed=job.seed, ignore_eos=job.ignore_eos, loop=asyncio.get_running_loop())
+                                      seed=job.seed, ignore_eos=job.ignore_eos, max_draft=job.max_draft,
+                                      loop=asyncio.get_running_loop())
     except QueueFull as e:
         state.metrics.count("rejected_busy")
         raise APIError(503, f"the server is busy: {e}", kind="server_error", code="server_busy",
@@ -285,10 +304,20 @@ async def sse(shape: Shape, answer: Answer):
         yield event(e.body())
         yield "data: [DONE]\n\n"
         return
-    yield event(shape.chunk(None if shape.chat else "", answer.finish_reason))
+    yield event({**shape.chunk(None if shape.chat else "", answer.finish_reason), **answer.extras()})
     if answer.job.include_usage:
         yield event(shape.usage_chunk(answer.usage()))
     yield "data: [DONE]\n\n"
+
+
+def suffix_index_metrics(index) -> list[tuple]:
+    """The suffix index's size against its bound (none without an index: --suffix-index)."""
+    if index is None:
+        return []
+    return [("suffix_index_bytes", "gauge", index.nbytes, "Bytes the suffix index holds (allocated at its bound)."),
+            ("suffix_index_bound_bytes", "gauge", index.capacity * BYTES_PER_TOKEN, "The suffix index's bound."),
+            ("suffix_index_tokens", "gauge", min(index.total, index.capacity), "Tokens the suffix index holds."),
+            ("suffix_index_requests_total", "counter", index.requests, "Requests the suffix index learned from.")]
 
 
 def prometheus(state) -> str:
@@ -304,9 +333,19 @@ def prometheus(state) -> str:
         ("completion_tokens_total", "counter", m.completion_tokens, "Tokens generated."),
         ("decode_steps_total", "counter", m.decode_steps, "Decode steps (one verify each) over all requests."),
         ("mean_accepted_tokens", "gauge", round(mat, 4), "MAT: decode tokens per decode step, all requests."),
+        ("draft_tokens_total", "counter", m.drafts.drafted, "Draft tokens verified (every tree node, roots left out)."),
+        ("accepted_draft_tokens_total", "counter", m.drafts.accepted, "Draft tokens accepted (bonus tokens left out)."),
         ("running_sequences", "gauge", stats["running"], "Sequences decoding now."),
         ("queued_sequences", "gauge", stats["queued"], "Requests waiting for a slot."),
         ("uptime_seconds", "gauge", round(time.time() - m.started, 1), "Seconds since the server started."),
+        *suffix_index_metrics(state.engine.drafting.suffix),
     ]:
         lines += [f"# HELP tr_engine_{name} {text}", f"# TYPE tr_engine_{name} {kind}", f"tr_engine_{name} {value}"]
+    by_source = [("draft_tokens_by_source_total", "Draft tokens verified, by the source that proposed them (a node "
+                  "two proposed counts for both)."),
+                 ("accepted_draft_tokens_by_source_total", "Draft tokens accepted, by source.")]
+    for which, (name, text) in enumerate(by_source):
+        lines += [f"# HELP tr_engine_{name} {text}", f"# TYPE tr_engine_{name} counter"]
+        lines += [f'tr_engine_{name}{{source="{source}"}} {counts[which]}'
+                  for source, counts in m.drafts.by_source.items()]
     return "\n".join(lines) + "\n"

@@ -129,14 +129,14 @@ class Scheduler:
 
     def submit(self, prompt, max_new_tokens: int | None = 256, *, chat_template: bool = True,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               sampling: Sampling | None = None,
-               ignore_eos: bool = False, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+               sampling: Sampling | None = None, ignore_eos: bool = False, max_draft: int | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> Handle:
         """Queue a prompt (a string, messages, or with chat_template=False a list of token ids) for the running
         batch, for up to `max_new_tokens` (None: as many as the context holds after the prompt); its one-line error
         at once if it is not a prompt or does not fit (ContextOverflow), QueueFull when too many wait already,
         RequestError after close(). Sampling as Engine.generate's: the keywords, or `sampling` (a Sampling, as an HTTP
         body's fields were checked into). With `ignore_eos`, it decodes past the end-of-sequence token to
-        max_new_tokens.
+        max_new_tokens; `max_draft` caps the draft tokens each of its steps verifies (0: plain steps).
         With `loop`, the handle is read with atokens() on that event loop."""
         from tr_engine import checks
 
@@ -161,7 +161,8 @@ class Scheduler:
             if len(self._waiting) >= self.max_queued:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting for a slot already; retry shortly")
             request = Request(next(self._ids), ids, max_new_tokens, self.engine.sampler(sampling, seed),
-                              ignore_eos=checks.flag(ignore_eos, "ignore_eos"))
+                              ignore_eos=checks.flag(ignore_eos, "ignore_eos"),
+                              max_draft=None if max_draft is None else checks.integer(max_draft, "max_draft", 0))
             handle = self._handles[request.id] = Handle(request, loop)
             self._waiting.append(request)
             self._cond.notify()
@@ -194,8 +195,8 @@ class Scheduler:
 
     def follow(self, spec) -> Request:
         """A request rank 0 took (Lockstep's spec), as this rank's batch decodes it."""
-        rid, ids, max_new_tokens, sampler, ignore_eos = spec
-        return Request(rid, ids, max_new_tokens, sampler, ignore_eos=ignore_eos)
+        rid, ids, max_new_tokens, sampler, ignore_eos, max_draft = spec
+        return Request(rid, ids, max_new_tokens, sampler, ignore_eos=ignore_eos, max_draft=max_draft)
 
     def between_steps(self, chore) -> None:
         """Run chore() on the batch's thread at the next step boundary (at once when no request runs), where nothing
@@ -302,7 +303,7 @@ class Lockstep:
         if self.shard.rank == 0:
             r = self.scheduler.take(block, timeout=heartbeat_s() if block else None)
             spec = "end" if r is END else None if r is None else (r.id, r.prompt_ids, r.max_new_tokens, r.sampler,
-                                                                  r.ignore_eos)
+                                                                  r.ignore_eos, r.max_draft)
         spec = self.shard.from_rank0(spec)
         if self.shard.rank == 0:
             return r
