@@ -166,8 +166,21 @@ def test_batch_bench_on_a_tiny_model(tiny_factory, tmp_path):
     rows = json.loads((tmp_path / "batch.json").read_text())["float32"]
     assert set(rows) == {f"{m}@{s}" for m in ("ar", "tr", "hybrid", "pld") for s in (1, 2, 4, 8, 16)}
     assert all(r["identical"] == 2 and r["tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows.values())
-    assert rows["ar@1"]["speedup"] == 1.0
+    assert rows["ar@1"]["speedup"] == 1.0 and rows["hybrid@4"]["speedup_same_batch"] == pytest.approx(
+        rows["hybrid@4"]["tokens_per_s"] / rows["ar@4"]["tokens_per_s"])
     assert (tmp_path / "batch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    warm = tmp_path / "w.jsonl"  # a file with warm-up rows of its own, a suffix index, two methods, three sizes
+    warm.write_text(questions.read_text() + json.dumps({"question_id": "w", "category": "qa", "turns": ["Hello?"],
+                                                        "warmup": True}) + "\n")
+    proc = run_module("bench.batch", "--model", str(tiny_factory("bench-batch")), "--dtypes", "float32",
+                      "--questions", "3", "--questions-file", str(warm), "--max-new-tokens", "5", "--threads", "1",
+                      "--methods", "ar", "hybrid", "--sizes", "1", "2", "4", "--suffix-index", "1", "--name", "mem",
+                      "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "mem.json").read_text())["float32"]
+    assert set(rows) == {f"{m}@{s}" for m in ("ar", "hybrid") for s in (1, 2, 4)}
+    assert all(r["identical"] == 3 for r in rows.values())
+    assert "3 questions of w.jsonl" in (tmp_path / "mem.md").read_text()
 
 
 def test_serve_bench_and_its_soak_on_a_tiny_model(tiny_factory, tmp_path):
@@ -187,6 +200,13 @@ def test_serve_bench_and_its_soak_on_a_tiny_model(tiny_factory, tmp_path):
     soak = json.loads((tmp_path / "serve_soak.json").read_text())
     assert soak["failed"] == 0 and soak["exit_status"] == 0 and soak["matrix_loads"] is True, soak
     assert "verdict:" in (tmp_path / "serve_soak.md").read_text()
+    # with a suffix index of the smallest bound, saved every half second and SIGKILLed at the end: what it saved loads
+    proc = run_module("bench.serve", *common, "--soak", "--requests", "52", "--soak-clients", "4", "--suffix-index",
+                      "1", "--save-every", "0.5", "--kill")
+    assert proc.returncode == 0, proc.stderr
+    soak = json.loads((tmp_path / "serve_soak_suffix.json").read_text())
+    assert soak["exit_status"] == -9 and soak["matrix_loads"] is True and soak["index_within_bound"] is True, soak
+    assert 0 <= (1 << 20) - soak["index_bound_bytes"] < 20 and soak["samples"][-1]["index_tokens"] > 0
     two = tmp_path / "two.jsonl"
     two.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"Question {i}?", "And why?"]})
                            + "\n" for i in range(3)))
