@@ -418,3 +418,28 @@ def test_save_results_writes_the_report_and_its_numbers_with_the_machine_first(t
     data = json.loads((tmp_path / "new" / "peers_avx2.json").read_text())
     assert list(data) == ["machine", "rows"] and data["machine"]["cpu_tier"] == "avx2" and data["rows"] == [1, 2]
 
+
+
+def test_the_memory_workload_is_what_its_script_writes(tmp_path):
+    """bench/data/memory.jsonl: at least 50 measured requests in the four kinds, warm-up rows apart (none repeating a
+    measured request), and the file bench.memory_workload writes (the instructions and the functions' names; a
+    function's source may differ by a line in another Python)."""
+    from bench.specbench import load_questions, warm_up_questions
+
+    committed = Path(__file__).resolve().parents[1] / "bench" / "data" / "memory.jsonl"
+    measured, warm = load_questions(committed, None, None), warm_up_questions(committed, 3)
+    assert sum(len(q["turns"]) for q in measured) >= 50 and len(warm) == 8
+    assert {q["category"] for q in measured} == {"extract", "edit", "faq", "follow-up"}
+    asked = [t for q in measured for t in q["turns"]]
+    assert not {t for q in warm for t in q["turns"][:1]} & set(asked)
+    assert len(asked) - len(set(asked)) == 5 + 8 - 1  # the faq questions asked twice; the follow-ups' one line
+    proc = run_module("bench.memory_workload", "--out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+
+    def shape(path):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        return [(r["question_id"], r["category"], r.get("warmup", False),
+                 [t.split("\n")[0] + t.split("def ")[1].split("(")[0] if "def " in t else t for t in r["turns"]])
+                for r in rows]
+
+    assert shape(tmp_path / "m.jsonl") == shape(committed)
