@@ -497,3 +497,20 @@ def test_a_mirrored_matrix_plans_the_same_trees(tiny, kind):
     assert not m.host()[0].any() and not m.host()[1].any()
     m.copy_(*saved)
     assert torch.equal(m.host()[0], saved[0]) and torch.equal(m.host()[1], saved[1])
+
+
+def test_the_tree_cache_keeps_the_recently_used_shapes_within_its_size():
+    from tr_engine.core.tree import TreeCache, chain_tree
+
+    cache, made = TreeCache(2), []
+
+    def make(n):
+        return lambda: made.append(n) or chain_tree(n)
+
+    a = cache.get(1, make(1))
+    cache.get(2, make(2))
+    assert cache.get(1, make(1)) is a  # a hit: not made again, and now the most recent
+    cache.get(3, make(3))  # 2, the least recently used, leaves
+    cache.get(1, make(1))
+    cache.get(2, make(2))
+    assert made == [1, 2, 3, 2] and list(cache.trees) == [1, 2]

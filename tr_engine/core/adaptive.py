@@ -28,7 +28,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 
 from tr_engine.core.cost import BUCKETS, CostModel
-from tr_engine.core.tree import DraftTree, build_tree, trie_children
+from tr_engine.core.tree import DraftTree, TreeCache, build_tree, trie_children
 from tr_engine.model.parallel import ALONE, Shard
 
 # A candidate's confidence (its share of its row's top-k mass when the row was written: RecyclingMatrix.confidence)
@@ -209,7 +209,7 @@ class AdaptiveTrees:
         self.buckets = tuple(T for T in BUCKETS if T <= max_tokens)
         self.max_step_tokens = self.buckets[-1]
         self._since = refresh  # rates on first use
-        self._trees: dict[tuple, DraftTree] = {}
+        self._trees = TreeCache(1024)  # the trees planned lately, by their rank paths
 
     @property
     def cost(self) -> CostModel | None:
@@ -316,10 +316,5 @@ class AdaptiveTrees:
         return [(self.tree(tuple(p)), sorted(c)) for p, c in zip(paths, chosen)]
 
     def tree(self, paths: tuple) -> DraftTree:
-        """The tree of these rank paths (built once, kept while few enough shapes recur)."""
-        tree = self._trees.get(paths)
-        if tree is None:
-            if len(self._trees) > 4096:
-                self._trees.clear()
-            tree = self._trees[paths] = build_tree(paths).to(self.device)
-        return tree
+        """The tree of these rank paths (built once, kept while it recurs)."""
+        return self._trees.get(paths, lambda: build_tree(paths).to(self.device))

@@ -31,7 +31,7 @@ import torch
 from tr_engine.core.adaptive import AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, DEPTHS, confidence_bin
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.suffix import MAX_MATCH, Continuations, SuffixIndex
-from tr_engine.core.tree import DraftTree, chain_tree, graft, truncate_tree
+from tr_engine.core.tree import DraftTree, TreeCache, chain_tree, graft, truncate_tree
 
 
 @dataclass
@@ -222,7 +222,7 @@ class Hybrid:
         # The index's candidates' acceptance, learned apart for matches that agree with the history on a few tokens,
         # on more, and on all MAX_MATCH (a request seen before): how far a match agrees says much of how far it goes on.
         self.suffix_stats = [ConfidenceStats() for _ in AGREEMENT]
-        self._grafted: dict[tuple, DraftTree] = {}
+        self._grafted = TreeCache(512)  # trees with candidates grafted on, by (tree, the grafts' parents)
 
     @classmethod
     def build(cls, setup: DrafterSetup) -> "Hybrid":
@@ -301,12 +301,7 @@ class Hybrid:
             at[i] = child
         if not parents:
             return draft
-        key = (tree.paths, tuple(parents))
-        grafted = self._grafted.get(key)
-        if grafted is None:
-            if len(self._grafted) > 1024:
-                self._grafted.clear()
-            grafted = self._grafted[key] = graft(tree, parents)
+        grafted = self._grafted.get((tree.paths, tuple(parents)), lambda: graft(tree, parents))
         rest = torch.tensor(new, dtype=torch.long, device=draft.tokens.device)
         return replace(draft, tree=grafted, tokens=torch.cat([draft.tokens, rest]))
 

@@ -6,6 +6,7 @@ contiguous range and a parent always comes before its children.
 """
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,26 @@ TREES = Path(__file__).parent / "trees"
 # here no tree past a few hundred tokens repays its verify.
 MAX_TREE_NODES = 1023
 MAX_TREE_FILE_BYTES = 1 << 20  # the largest tree in rank paths is ~0.5 MB of JSON (a 1023-node chain)
+
+
+class TreeCache:
+    """Trees by shape, the `size` most recently used kept. A decode loop's shapes recur, so a step seldom builds one;
+    a server that runs for days meets rare shapes without end, and those leave one at a time (the least recently used)
+    instead of growing its memory or emptying the cache at once."""
+
+    def __init__(self, size: int):
+        self.size, self.trees = size, OrderedDict()
+
+    def get(self, key, make) -> "DraftTree":
+        """The tree cached under `key`, or make() cached there."""
+        tree = self.trees.get(key)
+        if tree is None:
+            tree = self.trees[key] = make()
+            if len(self.trees) > self.size:
+                self.trees.popitem(last=False)
+        else:
+            self.trees.move_to_end(key)
+        return tree
 
 
 @dataclass(frozen=True)
