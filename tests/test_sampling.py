@@ -95,6 +95,39 @@ def test_top_k_and_top_p_match_transformers_warpers():
             assert torch.allclose(ours / ours.sum(), hf, atol=1e-6), s
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_every_temperature_gives_its_limits_distribution(dtype):
+    """Any finite temperature in the allowed range, subnormals included (float32 rounds 1e-46 and 5e-324 to 0): the
+    probabilities are finite and sum to 1, a tiny temperature puts them all on the best token (shared by exact ties),
+    a huge one spreads them evenly, and a draw below float32's normal range is the argmax."""
+    from hypothesis import given, settings, strategies as st
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0, 3.0 - 2**-6], dtype=dtype)
+    tied = torch.tensor([1.0, 3.0, 3.0, -2.0], dtype=dtype)
+    tiny = st.one_of(st.sampled_from([5e-324, 1e-320, 1e-46, 1e-45, 1e-40, 1.1754943508222875e-38, 1e-30]),
+                     st.floats(5e-324, 1e-30))
+
+    @settings(max_examples=60, deadline=None)
+    @given(t=tiny, seed=st.integers(0, 2**32))
+    def greedy_limit(t, seed):
+        p = probabilities(logits, Sampling(t))
+        assert p.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0] or dtype == torch.bfloat16 and p[1] == p[4] == 0.5, (t, p)
+        assert torch.isfinite(p).all() and float(p.sum()) == pytest.approx(1.0)
+        q = probabilities(tied, Sampling(t))
+        assert q.tolist() == [0.0, 0.5, 0.5, 0.0], (t, q)
+        assert Sampler(Sampling(t), seed).draw(logits, 0) in ((1, 4) if dtype == torch.bfloat16 else (1,))
+
+    @settings(max_examples=60, deadline=None)
+    @given(t=st.floats(1e-30, 1e300))
+    def any_temperature(t):
+        p = probabilities(logits, Sampling(t))
+        assert torch.isfinite(p).all() and float(p.sum()) == pytest.approx(1.0, rel=1e-6)
+
+    greedy_limit()
+    any_temperature()
+    assert torch.allclose(probabilities(logits, Sampling(1e300)).double(), torch.full((5,), 0.2, dtype=torch.float64))
+
+
 def test_gumbel_max_draws():
     p = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3], dtype=torch.float64)
     assert sample(p, torch.tensor([9.0, 0.0, 9.0, 0.1, 0.0], dtype=torch.float64)) == 3  # log p + noise, argmax

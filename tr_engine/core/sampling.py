@@ -77,7 +77,11 @@ def sampling_of(sampling: Sampling | None, temperature: float = 0.0, top_k: int 
 def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """The distribution sampled from at one position: logits [V] -> probabilities [V] (float64 for float64 logits,
     else float32), zero outside the top-k and the top-p nucleus and not renormalised (sample() scales by the sum)."""
-    z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    # float64 below float32's smallest normal temperature: there a float32 division would round the temperature
+    # itself to 0 (1e-46, 5e-324) or lose the subnormal's bits, and 0 / 0 is NaN; in float64 every positive
+    # temperature divides, the best token scoring 0 and the rest -inf (the limit T -> 0: greedy, ties shared)
+    wide = logits.dtype == torch.float64 or s.temperature < torch.finfo(torch.float32).tiny
+    z = logits.to(torch.float64 if wide else torch.float32)
     z = (z - z.max()) / s.temperature  # <= 0 everywhere: no overflow to inf - inf = NaN at tiny temperatures
     if 0 < s.top_k < z.shape[-1]:
         kth = torch.topk(z, s.top_k).values[-1]
