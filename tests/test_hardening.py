@@ -524,3 +524,11 @@ def test_a_bug_is_one_line_with_where_to_report_it(capsys, monkeypatch):
     monkeypatch.setenv("TR_ENGINE_DEBUG", "1")
     assert run(broken) == 1
     assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n"])
+def test_chat_refuses_an_empty_prompt_as_generate_does(prompt):
+    """chat --prompt "" answered an empty message while generate refused it: now both refuse it, before the model
+    loads (the model named here does not exist: the check comes first)."""
+    proc = call_main(chat.main, "--model", "/nowhere", "--prompt", prompt)
+    assert_one_line_error(proc, "--prompt is empty")

@@ -269,6 +269,8 @@ def main(argv=None) -> int:
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
     sampling = sampling_from_args(args)  # bad values are refused before the model loads
+    if args.prompt is not None and not args.prompt.strip():  # (as generate refuses it, before the model loads)
+        raise UserError("--prompt is empty; give some text to answer, or leave --prompt out to chat")
     engine = engine_from_args(args)
     save_to = load_matrix(args, engine)
     shard = engine.model.shard
