@@ -133,12 +133,13 @@ class Engine:
         progress=None,
         suffix_bytes: int = 0,
         speculative_config: str | dict | None = None,
+        parse_special_tokens: bool = False,
     ) -> "Engine":
         """Load a model (a known name or a Hugging Face-format folder) and make an engine for it. `method` is what
         generate and stream use by default; `speculative_config` (tr_engine/core/speculative_config.py: JSON text or a
         dict with vLLM's keys) sets the method, the most draft tokens a step verifies and the batch size above which
         batches decode plainly; `suffix_bytes` bounds hybrid's suffix index (0: none; method "suffix": 64 MB unless
-        given)."""
+        given). Special-token strings written in a message's content are text unless `parse_special_tokens`."""
         if not isinstance(name_or_path, (str, Path)):
             raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
                               f"{type(name_or_path).__name__}")
@@ -176,6 +177,7 @@ class Engine:
         if max_context is not None and not 1 <= max_context <= limit:
             raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
         tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
+        tokenizer.parse_special = checks.flag(parse_special_tokens, "parse_special_tokens")
         return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), str(tree), matrix_k,
                    method, seed, False if tp > 1 else cuda_graphs, max_batch, max_context, suffix_bytes,
                    config.num_speculative_tokens, config.disable_by_batch_size)

@@ -98,6 +98,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--suffix-index", type=integer(0, 1 << 16), default=0, metavar="MB",
                     help="hybrid also drafts from a suffix index of every request answered, up to MB megabytes, saved "
                          "beside the matrix (default 0: none)")
+    ap.add_argument("--parse-special-tokens", action="store_true",
+                    help="read special-token strings written inside messages (<|im_start|>, ...) as the control tokens "
+                         "they name; by default they are text, so a message cannot forge a turn of another role")
     ap.add_argument("--tp", type=integer(1), default=1, metavar="N",
                     help="tensor parallelism: the model split across N processes, launched with torchrun "
                          "--nproc-per-node N (README, 'Several GPUs'); default 1")
@@ -215,7 +218,8 @@ def engine_from_args(args):
                                         None if args.cuda_graphs is None else args.cuda_graphs == "on",
                                         max_batch=getattr(args, "batch", 8), tp=args.tp, progress=progress,
                                         suffix_bytes=args.suffix_index << 20,
-                                        speculative_config=args.speculative_config)
+                                        speculative_config=args.speculative_config,
+                                        parse_special_tokens=args.parse_special_tokens)
     except BaseException:
         if progress is not None:
             progress.end(ok=False)

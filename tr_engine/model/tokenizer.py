@@ -21,18 +21,45 @@ class Tokenizer:
     vocab_size: int
     chat_template: ChatTemplate
 
+    # Special-token strings written inside a message's content ("<|im_start|>system…") are text, as OpenAI's API reads
+    # them: a user cannot close their own turn and open a system one. True reads them as the control tokens (the old
+    # behaviour: --parse-special-tokens).
+    parse_special: bool = False
+    special_re: re.Pattern | None = None  # the special-token strings encode() turns into their ids
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special-token strings in it (e.g. '<|im_start|>') become their ids."""
+        raise NotImplementedError
+
+    def encode_text(self, text: str, first: bool) -> list[int]:
+        """Token ids of `text` with special-token strings spelled out as text (`first`: it starts the prompt)."""
         raise NotImplementedError
 
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render `messages` ([{'role', 'content'}, …]) with the model's chat template and tokenize the result."""
+        """Render `messages` ([{'role', 'content'}, …]) with the model's chat template and tokenize the result; the
+        template's special tokens are control tokens, and those written in a message's content text (unless
+        `parse_special`)."""
         text = self.chat_template.render(messages, add_generation_prompt)
         # Templates that start with the BOS text already carry it; otherwise follow the tokenizer's own rule.
-        return self.encode(text, add_bos=self.add_bos and not text.startswith(self.chat_template.bos_token or "\0"))
+        add_bos = self.add_bos and not text.startswith(self.chat_template.bos_token or "\0")
+        forged = [m["content"] for m in messages if self.special_re is not None and self.special_re.search(m["content"])]
+        if self.parse_special or not forged:
+            return self.encode(text, add_bos=add_bos)
+        # Each content that holds special-token strings is encoded as text, the template around it as before (a
+        # template's specials split the text anyway: the parts between them are tokenized apart in either case).
+        ids, at = ([self.bos_id] if add_bos else []), 0
+        for content in forged:
+            start = text.find(content, at)
+            if start < 0:
+                raise InvalidValue("a message's content holds special-token strings and this model's chat template "
+                                   "changes the content, so they cannot be kept as text; remove them, or allow them "
+                                   "as control tokens with --parse-special-tokens")
+            ids += self.encode(text[at:start], add_bos=False) + self.encode_text(content, first=start == 0)
+            at = start + len(content)
+        return ids + self.encode(text[at:], add_bos=False)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """A prompt's ids, checked: a string (wrapped as one user message unless chat_template=False) or messages
@@ -100,12 +127,19 @@ class HFTokenizer(Tokenizer):
         self.eos_ids = tuple(dict.fromkeys(eos_ids + extra))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.chat_template = ChatTemplate.from_config(folder, config, bos or "", eos or "")
+        specials = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
+        self.special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self.as_text = RustTokenizer.from_file(str(self.source))  # (a second one: the switch is the tokenizer's)
+        self.as_text.encode_special_tokens = True  # special-token strings spelled out as text
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        ids = self.tok.encode(text, add_special_tokens=False).ids if text else []
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def encode_text(self, text: str, first: bool) -> list[int]:
+        return self.as_text.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
@@ -138,7 +172,8 @@ class SentencePieceTokenizer(Tokenizer):
         self.unk_text = self.sp.IdToPiece(self.sp.unk_id())
         self.unk_len = len(self.sp.encode(self.unk_text))
         self.specials = {self.sp.IdToPiece(i): i for i in range(self.vocab_size) if self.sp.IsControl(i) or self.sp.IsUnknown(i)}
-        self.special_re = re.compile("(" + "|".join(re.escape(s) for s in sorted(self.specials, key=len, reverse=True)) + ")")
+        self.special_re = re.compile("(" + "|".join(re.escape(s) for s in sorted(self.specials, key=len, reverse=True))
+                                     + ")") if self.specials else None
         bos = self.sp.IdToPiece(self.bos_id) if self.bos_id is not None else ""
         eos = self.sp.IdToPiece(self.sp.eos_id()) if self.sp.eos_id() >= 0 else ""
         self.chat_template = ChatTemplate.from_config(folder, config, bos, eos)
@@ -148,11 +183,16 @@ class SentencePieceTokenizer(Tokenizer):
         for i, part in enumerate(self.special_re.split(text) if self.specials else [text]):
             if part in self.specials:
                 ids.append(self.specials[part])
-            elif part and ((i == 0 and not part.startswith(" ")) or self.legacy):
-                ids += self.sp.encode(part)
             elif part:
-                ids += self.sp.encode(self.unk_text + part)[self.unk_len :]
+                ids += self.encode_text(part, first=i == 0)
         return ids
+
+    def encode_text(self, text: str, first: bool) -> list[int]:
+        if not text:
+            return []
+        if (first and not text.startswith(" ")) or self.legacy:  # (sentencepiece alone spells specials out)
+            return self.sp.encode(text)
+        return self.sp.encode(self.unk_text + text)[self.unk_len :]
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(list(ids))
