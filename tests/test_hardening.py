@@ -552,3 +552,24 @@ def test_chat_refuses_an_empty_prompt_as_generate_does(prompt):
     loads (the model named here does not exist: the check comes first)."""
     proc = call_main(chat.main, "--model", "/nowhere", "--prompt", prompt)
     assert_one_line_error(proc, "--prompt is empty")
+
+
+@pytest.mark.slow
+def test_model_may_be_a_gguf_file_converted_once_into_the_cache(gguf_cuts, tmp_path):
+    """--model FILE.gguf (what llama.cpp users try first) said the folder did not exist; now the file is converted
+    into the model cache once, with a notice, and runs; the next run finds it there. A truncated file is one line
+    and leaves nothing in the cache."""
+    gguf, cuts = gguf_cuts
+    env = {**os.environ, "TR_ENGINE_HOME": str(tmp_path / "home")}
+    args = ("--prompt", "What is the capital of France?", "--max-new-tokens", "8", "--method", "ar")
+    first = run_module("tr_engine.generate", "--model", str(gguf), *args, env=env)
+    assert first.returncode == 0 and "converting" in first.stderr and first.stdout.strip(), first.stderr
+    again = run_module("tr_engine.generate", "--model", str(gguf), *args, env=env)
+    assert again.returncode == 0 and "converting" not in again.stderr and again.stdout == first.stdout
+    assert len(list((tmp_path / "home" / "models" / "gguf").iterdir())) == 1
+    truncated = tmp_path / "cut.gguf"
+    with open(gguf, "rb") as f:
+        truncated.write_bytes(f.read(cuts["mid-tensor"]))
+    proc = run_module("tr_engine.generate", "--model", str(truncated), *args, env=env)
+    assert proc.returncode == 2 and "download it again" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert len(list((tmp_path / "home" / "models" / "gguf").iterdir())) == 1  # (nothing of the cut file stayed)

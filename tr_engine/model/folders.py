@@ -71,11 +71,42 @@ def candidate_folders(name: str, model_dir: str | Path | None = None) -> list[Pa
     return places
 
 
+def gguf_folder(path: Path) -> Path:
+    """The model folder of a llama.cpp GGUF file: converted into the model cache the first time it is used (with
+    progress; weights_tools/gguf_to_hf.py), found there afterwards. Keyed by the file's path, size and modification
+    time, so a replaced file converts again; written beside its place and renamed into it, so a conversion cut short
+    leaves nothing that a later run would take for a model."""
+    import hashlib
+    import shutil
+    import sys
+    import tempfile
+
+    from weights_tools.gguf_to_hf import convert
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    dest = model_cache() / "gguf" / f"{path.stem}-{key}"
+    if _is_model_folder(dest):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    print(f"converting {path.name} into the model cache, once: {dest}", file=sys.stderr, flush=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        convert(path, work)
+        work.rename(dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dest
+
+
 def resolve_model(name_or_path: str, model_dir: str | Path | None = None, fetch_default: bool = True) -> Path:
-    """The model folder for a path or a known name; fetches the default model on first use."""
+    """The model folder for a path or a known name (a .gguf file: converted once, gguf_folder); fetches the default
+    model on first use."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return gguf_folder(path)
     if name_or_path not in KNOWN_MODELS:
         if "/" in name_or_path or path.suffix or name_or_path.startswith("."):
             raise ModelNotFound(f"model folder {name_or_path} does not exist; pass an existing Hugging Face model "
