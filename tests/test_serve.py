@@ -321,6 +321,56 @@ def test_a_bad_request_gets_its_status_and_an_openai_error(server, path, body, s
     assert error["type"] == "invalid_request_error"
 
 
+def test_hostile_bodies_get_a_400_or_413_and_nobody_waits_for_them(tiny):
+    """A body past --max-body-bytes is a 413 before it is read (declared or chunked), while /health answers at once;
+    a body of deeply nested arrays or a number of 5000 digits is a 400 (they were 500s with a traceback); a client
+    that hangs up mid-body is one line in the log; no traceback anywhere in it."""
+    import socket as sockets
+
+    s = Server(tiny, "--dtype", "float64", "--no-persist", "--max-context", "256", "--max-body-bytes", "65536")
+    try:
+        for raw in (b'{"messages": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+                    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}"):
+            status, _, text = s.request("POST", "/v1/chat/completions", raw=raw)
+            assert status == 400 and json.loads(text)["error"]["code"] == "invalid_json", text
+        big = json.dumps({"messages": messages("word " * 2_000_000)}).encode()  # 10 MB
+        done = {}
+
+        def send_big():
+            try:
+                done["big"] = s.request("POST", "/v1/chat/completions", raw=big)
+            except OSError as e:  # (the server may close the socket while the client still sends)
+                done["big"] = e
+
+        sender = threading.Thread(target=send_big)
+        sender.start()
+        t0 = time.perf_counter()
+        assert s.get("/health")[0] == 200 and time.perf_counter() - t0 < 1.0
+        sender.join(60)
+        if isinstance(done["big"], tuple):
+            status, _, text = done["big"]
+            assert status == 413 and json.loads(text)["error"]["code"] == "request_too_large", text
+        with sockets.create_connection(("127.0.0.1", s.port), timeout=30) as c:  # chunked, no length declared
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n")
+            reply = b""
+            try:
+                for _ in range(64):
+                    c.sendall(b"4000\r\n" + b" " * 0x4000 + b"\r\n")
+            except OSError:
+                pass
+            reply = c.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        with sockets.create_connection(("127.0.0.1", s.port), timeout=30) as c:  # hangs up mid-body
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n{\"mess")
+        time.sleep(0.5)
+        assert s.get("/health")[0] == 200
+    finally:
+        code, out = s.stop()
+    assert code == 0 and "Traceback" not in out and "internal error" not in out, out
+    assert "a client hung up before sending its whole request" in out, out
+
+
 def test_the_openai_client_sees_the_errors_as_its_own(server):
     with pytest.raises(openai.NotFoundError, match="does not exist here"):
         server.client.chat.completions.create(model="gpt-4", messages=messages("hi"))

@@ -35,6 +35,8 @@ from tr_engine.errors import MatrixFileError, UserError, warn
 DEFAULT_PORT = 8000
 DEFAULT_BATCH = 8
 DEFAULT_MAX_QUEUED = 64
+DEFAULT_MAX_CONNECTIONS = 512  # uvicorn's limit_concurrency: open connections and running requests
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long
 DEFAULT_GRACE_S = 5.0
 DEFAULT_SAVE_EVERY_S = 300.0
 SHUTDOWN_MARGIN_S = 10.0  # after the grace period: for the cancelled requests' last events to reach their clients
@@ -56,6 +58,11 @@ def build_parser() -> ArgumentParser:
                          "Retry-After")
     ap.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="the model's id in the API (default: the model folder's name)")
+    ap.add_argument("--max-body-bytes", type=integer(1024), default=None, metavar="B",
+                    help="the largest request body taken (default: 64 bytes per token of each sequence's context, at "
+                         "least 1 MiB); a larger one gets a 413 before it is read")
+    ap.add_argument("--max-connections", type=integer(1), default=DEFAULT_MAX_CONNECTIONS, metavar="C",
+                    help=f"open connections at most (default {DEFAULT_MAX_CONNECTIONS}); past it, new ones get a 503")
     ap.add_argument("--grace", type=real(0.0), default=DEFAULT_GRACE_S, metavar="S",
                     help=f"on SIGTERM or Ctrl-C, seconds running requests may take to finish (default "
                          f"{DEFAULT_GRACE_S:g}) before they are cancelled and the matrix is saved")
@@ -88,9 +95,10 @@ def main(argv=None) -> int:
     if engine.model.shard.rank != 0:
         return follow(scheduler)
     name = args.served_model_name or engine.folder.name
-    app = create_app(scheduler, name, Defaults(sampling))
+    app = create_app(scheduler, name, Defaults(sampling), args.max_body_bytes)
     config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
-                            lifespan="off", timeout_graceful_shutdown=args.grace + SHUTDOWN_MARGIN_S)
+                            lifespan="off", timeout_graceful_shutdown=args.grace + SHUTDOWN_MARGIN_S,
+                            limit_concurrency=args.max_connections, timeout_keep_alive=KEEP_ALIVE_S)
     server = uvicorn.Server(config)  # (off the main thread, uvicorn leaves the signals to us)
 
     failed = []

@@ -75,6 +75,12 @@ def read_body(raw: bytes, fields: set[str]) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" ({e.msg} at line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
         raise APIError(400, f"the request body is not valid JSON{where}; send a JSON object", code="invalid_json")
+    except RecursionError:  # (Python's reader recurses per level: a body of nested arrays ran out of stack)
+        raise APIError(400, "the request body nests arrays or objects too deep to read; send a flatter JSON object",
+                       code="invalid_json") from None
+    except ValueError as e:  # an integer of more digits than Python converts (4300), say
+        raise APIError(400, f"the request body holds a number that cannot be read ({one_line(str(e))[:80]}); send "
+                            "ordinary numbers", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     unknown = sorted(set(body) - fields)

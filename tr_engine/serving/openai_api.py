@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from tr_engine.core.generation import DraftCounts, Generation
 from tr_engine.core.sampling import Sampling
@@ -193,12 +194,21 @@ class Answer:
             m.drafts.add(self.generation.drafts)
 
 
-def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None = None) -> FastAPI:
-    """The API over a running Scheduler, serving it as `model_name`. The caller closes the scheduler when the app
-    stops (tr_engine/cli/serve.py does, after the running requests had their grace period)."""
+def default_max_body_bytes(context: int) -> int:
+    """What a request's body may weigh by default: far more than a prompt that fits `context` tokens can take (a
+    token is a few bytes of text, a few more escaped in JSON), and never under 1 MiB."""
+    return max(1 << 20, 64 * context)
+
+
+def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
+    """The API over a running Scheduler, serving it as `model_name`; request bodies past `max_body_bytes` (default:
+    default_max_body_bytes of the scheduler's context) get a 413. The caller closes the scheduler when the app stops
+    (tr_engine/cli/serve.py does, after the running requests had their grace period)."""
     engine = scheduler.engine
     app = FastAPI(title="tr-engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.scheduler, app.state.model_name = engine, scheduler, model_name
+    app.state.max_body_bytes = max_body_bytes or default_max_body_bytes(scheduler.context)
     app.state.defaults, app.state.metrics = defaults or Defaults(), Metrics()
 
     @app.exception_handler(APIError)
@@ -248,9 +258,16 @@ def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None 
 
     async def complete(request: Request, chat: bool):
         state = app.state
-        body = read_body(await request.body(), CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        try:
+            raw = await read_limited(request, state.max_body_bytes)
+        except ClientDisconnect:  # gone before its body was whole: nobody to answer
+            print(f"note: a client hung up before sending its whole request to {request.url.path}", flush=True)
+            return Response(status_code=499)
+        body = read_body(raw, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         job = read_job(body, chat, model_name, state.defaults.sampling, state.scheduler.method)
-        handle = submit(state, job)
+        # The template's rendering and the tokenization on a worker thread: a huge prompt holds up no other client
+        # (nor /health) while it is read.
+        handle = await asyncio.to_thread(submit, state, job, asyncio.get_running_loop())
         answer = Answer(state, job, handle)
         ids = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         shape = Shape(ids, model_name, chat)
@@ -270,11 +287,29 @@ def respond(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers=e.headers)
 
 
-def submit(state, job: Job):
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The request's body, refused with a 413 as soon as it passes `limit` bytes (its Content-Length says so before
+    anything is read; a chunked body, once it has)."""
+    declared = request.headers.get("content-length")
+    too_big = APIError(413, f"the request body is larger than this server takes ({limit} bytes: --max-body-bytes); "
+                            "send a shorter prompt", code="request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def submit(state, job: Job, loop: asyncio.AbstractEventLoop):
+    """Hand the job to the scheduler (its prompt rendered and tokenized: on a worker thread) for `loop` to read."""
     try:
         return state.scheduler.submit(job.prompt, job.max_tokens, chat_template=job.chat, sampling=job.sampling,
                                       seed=job.seed, ignore_eos=job.ignore_eos, max_draft=job.max_draft,
-                                      loop=asyncio.get_running_loop())
+                                      loop=loop)
     except QueueFull as e:
         state.metrics.count("rejected_busy")
         raise APIError(503, f"the server is busy: {e}", kind="server_error", code="server_busy",
