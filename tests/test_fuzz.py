@@ -308,3 +308,69 @@ def test_fuzz_api_arguments(api_engine, prompt, kwargs):
     assert 1 <= len(result.token_ids) <= kwargs["max_new_tokens"]
     assert all(0 <= t < api_engine.model.config.vocab_size for t in result.token_ids)
     assert not any(math.isnan(v) for v in result.generation.phase_s.values())
+
+
+# --- the HTTP server ------------------------------------------------------------------------------------------------
+
+http_message = st.fixed_dictionaries({"role": mostly(st.sampled_from(["user", "assistant", "system", "developer"])),
+                                      "content": mostly(st.text(max_size=30))})
+HTTP_FIELDS = {
+    "messages": mostly(st.lists(mostly(http_message), min_size=1, max_size=3)),
+    "prompt": mostly(st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(0, 299), max_size=5))),
+    "max_tokens": mostly(st.integers(1, 8)),
+    "temperature": mostly(st.one_of(st.floats(0, 2), st.sampled_from([1e-45, 5e-324, float("nan"), float("inf")]))),
+    "top_p": mostly(st.floats(0, 1)),
+    "top_k": mostly(st.integers(0, 400)),
+    "seed": mostly(st.integers(0, 2**64)),
+    "stop": mostly(st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5))),
+    "stream": mostly(st.booleans()),
+    "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "ignore_eos": mostly(st.booleans()),
+    "n": mostly(st.integers(0, 3)),
+    "speculative_config": mostly(st.fixed_dictionaries({}, optional={
+        "method": st.sampled_from(["ar", "hybrid", "tr", "suffix"]), "num_speculative_tokens": st.integers(-1, 9),
+        "disable_by_batch_size": st.integers(1, 4)})),
+    "logprobs": mostly(st.booleans()),
+    "presence_penalty": mostly(st.floats(-2, 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def http_server(tiny_factory):
+    from test_serve import Server
+
+    s = Server(str(tiny_factory("serve64", dtype=torch.float64, vocab_size=300, std=0.5, max_positions=16384)),
+               "--dtype", "float64", "--batch", "2", "--no-persist", "--max-context", "256")
+    s.model_seen = s.model
+    yield s
+    code, out = s.stop()
+    assert code == 0 and "Traceback" not in out and "internal error" not in out, out[-3000:]
+
+
+def http_body(chat: bool):
+    """A request body for the chat (or completions) endpoint: its fields, each mostly good; or any JSON object; or
+    any bytes."""
+    fields = {k: v for k, v in HTTP_FIELDS.items() if k != ("prompt" if chat else "messages")}
+    required = {"messages" if chat else "prompt": fields.pop("messages" if chat else "prompt")}
+    return st.one_of(st.fixed_dictionaries(required, optional=fields),
+                     st.dictionaries(st.text(max_size=6), anything, max_size=3),
+                     st.binary(max_size=64)).map(lambda b: b if isinstance(b, bytes) else json.dumps(
+                         b, default=repr).encode())
+
+
+@fuzz(60)
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), data=st.data())
+def test_fuzz_http_requests(http_server, path, data):
+    """Any body to either endpoint: an answer (200, whole or streamed) or a client error in OpenAI's shape (4xx) or
+    a busy 503; never a 500, and (the fixture checks at the end) never a traceback in the server's log."""
+    body = data.draw(http_body(chat="chat" in path))
+    status, _, text = http_server.request("POST", path, raw=body)
+    event(f"{status}")
+    assert status in (200, 503) or 400 <= status < 500, (status, text[:300])
+    if status != 200:
+        error = json.loads(text)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"], text[:300]
+    elif text.startswith("data: "):  # a stream: events, then [DONE]
+        assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+    else:
+        assert json.loads(text)["choices"], text[:300]
