@@ -4,6 +4,8 @@ the answer (status 0, the old file kept), signals and a second writer never leav
 file behind, and the API raises the project's error types. The fuzz suite (test_fuzz.py) covers the same ground at
 random."""
 
+import contextlib
+import io
 import json
 import os
 import resource
@@ -573,3 +575,43 @@ def test_model_may_be_a_gguf_file_converted_once_into_the_cache(gguf_cuts, tmp_p
     proc = run_module("tr_engine.generate", "--model", str(truncated), *args, env=env)
     assert proc.returncode == 2 and "download it again" in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert len(list((tmp_path / "home" / "models" / "gguf").iterdir())) == 1  # (nothing of the cut file stayed)
+
+
+@pytest.mark.parametrize("point", ["in main's cleanup", "while the error line is printed", "after a clean end"])
+@pytest.mark.parametrize("sig, status, line", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_a_second_signal_on_the_way_out_ends_in_one_line(point, sig, status, line, monkeypatch):
+    """Ctrl-C or SIGTERM landing on the exit path (just after the chat's final save, say) ended in a traceback in half
+    the runs; wherever it lands now, the exit is one line and the signal's status (the first signal's, when there was
+    one)."""
+    import tr_engine.cli.common as common
+
+    def main(argv):
+        try:
+            if point != "after a clean end":
+                os.kill(os.getpid(), sig)  # the first signal: main ends by it
+                time.sleep(1)
+            return 0
+        finally:
+            if point == "in main's cleanup":
+                os.kill(os.getpid(), sig)  # a second one while main cleans up
+                time.sleep(0.2)
+            if point == "after a clean end":
+                os.kill(os.getpid(), sig)
+                time.sleep(0.2)
+
+    said = []
+    real_say = common._say
+
+    def say(text):  # a second signal while the line is printed
+        if point == "while the error line is printed" and not said:
+            said.append(text)
+            os.kill(os.getpid(), sig)
+            time.sleep(0.2)
+        real_say(text)
+
+    monkeypatch.setattr(common, "_say", say)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert common.run(main, []) == status
+    assert err.getvalue().strip().splitlines()[-1] == line
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (handlers restored for the next caller)

@@ -48,10 +48,42 @@ def run(main, argv=None) -> int:
 
 
 def _run(main, argv=None) -> int:
+    """main(argv)'s status; once main has ended, however it ended, a further Ctrl-C or SIGTERM (a second one while
+    the chat saved its matrix, say) is noted instead of raised, so the exit path always ends in its one line: a
+    signal that came after a clean end turns the status into its own (130, 143)."""
     on_main_thread = threading.current_thread() is threading.main_thread()
+    previous_int = signal.getsignal(signal.SIGINT) if on_main_thread else None
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
+    late: list[int] = []
     try:
-        return main(argv)
+        status = _ended(main, argv, on_main_thread, late)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGINT, previous_int)
+            signal.signal(signal.SIGTERM, previous)
+    if late and status == EXIT_OK:
+        interrupted = late[0] == signal.SIGINT
+        _say("\ninterrupted" if interrupted else "terminated")
+        return EXIT_INTERRUPTED if interrupted else EXIT_TERMINATED
+    return status
+
+
+def _hold_signals(late: list[int]) -> None:
+    """From now on, SIGINT and SIGTERM are appended to `late` instead of raised."""
+    def note(signum, frame):
+        late.append(signum)
+
+    signal.signal(signal.SIGINT, note)
+    signal.signal(signal.SIGTERM, note)
+
+
+def _ended(main, argv, on_main_thread: bool, late: list[int]) -> int:
+    try:
+        try:
+            return main(argv)
+        finally:
+            if on_main_thread:
+                _hold_signals(late)
     except UserError as e:
         _say(f"error: {e}")
         if getattr(e, "abandon_process", False):  # a --tp rank whose peers are gone: the distributed backend's
@@ -77,9 +109,6 @@ def _run(main, argv=None) -> int:
         else:
             _say(f"error: internal error ({type(e).__name__}: {_first_line(e)}); {REPORT}")
         return EXIT_BUG
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_now(status: int) -> None:
