@@ -615,3 +615,12 @@ def test_a_second_signal_on_the_way_out_ends_in_one_line(point, sig, status, lin
         assert common.run(main, []) == status
     assert err.getvalue().strip().splitlines()[-1] == line
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (handlers restored for the next caller)
+
+
+def test_a_cache_the_machine_cannot_hold_is_refused_naming_the_flag(folder, tmp_path):
+    """--batch 100000 failed in the allocator with a message naming --max-context and --dtype but not --batch; now
+    the cache's size is checked against the free memory before it is allocated, naming the flags that size it."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    assert_one_line_error(gen(folder, "--prompts-file", str(prompts), "--batch", "100000000"), "--batch 100000000",
+                          "GiB free", "lower them")

@@ -26,7 +26,7 @@ from tr_engine.model import cpu, parallel
 from tr_engine.model.device import check_cuda_graphs, check_device
 from tr_engine.model.folders import home, resolve_model
 from tr_engine.model.graphs import BatchGraphs, StepGraphs, graph_buckets
-from tr_engine.model.kv_cache import BatchKVCache, KVCache
+from tr_engine.model.kv_cache import BatchKVCache, KVCache, check_memory
 from tr_engine.model.llama import Llama
 from tr_engine.model.ops import resolve_ops
 from tr_engine.model.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
@@ -71,6 +71,9 @@ class Engine:
         # Batched decoding (generate_batch): up to max_batch sequences a forward, each in a cache of batch_context.
         self.max_batch = checks.integer(max_batch, "--batch", 1)
         self.batch_context = min(batch_context or DEFAULT_BATCH_CONTEXT, max_context)
+        # (allocated at the first batch; a size the machine cannot hold is refused now, before any measuring)
+        check_memory(BatchKVCache.shape(model.local_config, self.max_batch, self.batch_context), model.dtype,
+                     model.device, BatchKVCache.flags(self.max_batch, self.batch_context))
         self._batch_cache: BatchKVCache | None = None
         self.batch_runner = model  # what a batch's forwards run through: the model, or its CUDA graphs (batch_cache)
 

@@ -6,13 +6,42 @@ either commits them (causal input) or compacts the accepted ones (a tree) with o
 
 import torch
 
-from tr_engine.errors import ContextOverflow
+from tr_engine.errors import ContextOverflow, UserError
 from tr_engine.model.config import LlamaConfig
+
+
+def available_bytes(device) -> int | None:
+    """Memory free for a new tensor on `device`: a GPU's free memory, or on a CPU the kernel's MemAvailable (None
+    where neither can be read)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(shape: tuple[int, ...], dtype: torch.dtype, device, flags: str) -> None:
+    """Refuse, before allocating it, a cache of `shape` that the device has no memory for, naming the `flags` that
+    size it (the zeros would otherwise fail deep inside the allocator, or make the machine swap)."""
+    need = dtype.itemsize
+    for n in shape:
+        need *= n
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise UserError(f"the KV cache for {flags} needs {need / 2**30:.1f} GiB but {torch.device(device)} has "
+                        f"{free / 2**30:.1f} GiB free; lower them (or pick a smaller --dtype)")
 
 
 class KVCache:
     def __init__(self, config: LlamaConfig, capacity: int, dtype: torch.dtype, device):
         shape = (config.num_hidden_layers, 2, config.num_key_value_heads, capacity, config.head_dim)
+        check_memory(shape, dtype, device, f"--max-context {capacity}")
         self.data = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, Hkv, S, D]
         self.length = 0
 
@@ -53,8 +82,18 @@ class BatchKVCache:
     def __init__(self, config: LlamaConfig, slots: int, capacity: int, dtype: torch.dtype, device,
                  scratch: bool = False):
         """`scratch`: one more slot, never taken, where a padded step's padding rows write (BatchGraphs)."""
-        shape = (slots + scratch, config.num_hidden_layers, 2, config.num_key_value_heads, capacity, config.head_dim)
+        shape = self.shape(config, slots, capacity, scratch)
+        check_memory(shape, dtype, device, self.flags(slots, capacity))
         self._setup(torch.zeros(shape, dtype=dtype, device=device), slots, scratch)
+
+    @staticmethod
+    def shape(config: LlamaConfig, slots: int, capacity: int, scratch: bool = False) -> tuple[int, ...]:
+        return slots + scratch, config.num_hidden_layers, 2, config.num_key_value_heads, capacity, config.head_dim
+
+    @staticmethod
+    def flags(slots: int, capacity: int) -> str:
+        """The flags that size a batch's caches, for an error about their memory."""
+        return f"--batch {slots} of --max-context {capacity} each"
 
     @classmethod
     def of(cls, cache: KVCache) -> "BatchKVCache":
