@@ -514,32 +514,3 @@ def test_the_tree_cache_keeps_the_recently_used_shapes_within_its_size():
     cache.get(1, make(1))
     cache.get(2, make(2))
     assert made == [1, 2, 3, 2] and list(cache.trees) == [1, 2]
-
-
-def test_a_batch_size_that_keeps_declining_to_draft_stops_planning_for_a_while():
-    """A batch whose plan drafts nothing pays the proposals, the plan and the recycle for a plain step; so the next
-    steps of that size are plain without them, 1, 2, 4... steps (up to BACKOFF_MAX) as the plans keep declining, and
-    planning goes on as before once a plan drafts. One sequence always plans."""
-    trees = trained(AdaptiveTrees(LINEAR))
-    m = sure_chain()
-
-    def step(B):  # one step of the decode driver: plan when worth it
-        if not trees.worth_planning(B):
-            return "plain"
-        return "drafts" if any(t.size > 1 for t, _ in trees.plan(m.table, m.confidence, [0] * B, [100] * B)) \
-            else "declined"
-
-    assert [step(2) for _ in range(8)] == ["declined", "plain", "declined", "plain", "plain", "declined"] + [
-        "plain"] * 2
-    assert all(trees.worth_planning(1) for _ in range(3))  # (one sequence: a plan every step)
-    assert step(3) == "declined" and step(3) == "plain"  # (each batch size its own)
-    trees.cost = FREE  # drafting pays now: once the wait is over, a plan drafts, and every step plans again
-    while (s := step(2)) == "plain":
-        pass
-    assert s == "drafts" and [step(2) for _ in range(3)] == ["drafts"] * 3
-    trees.cost = LINEAR
-    waits = []
-    for _ in range(400):
-        waits.append(step(2))
-    longest = max(len(run) for run in "".join("p" if w == "plain" else "|" for w in waits).split("|"))
-    assert longest == AdaptiveTrees.BACKOFF_MAX

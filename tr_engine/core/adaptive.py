@@ -199,10 +199,6 @@ class AdaptiveTrees:
     # percent at best, within the error of the estimates, while a wrong guess costs the whole batch's step
     # (bench/results/batch.md: at batch 16, drafting on a bare expected gain lost a few percent to plain decoding).
     BATCH_MARGIN = 0.05
-    # A batch size whose plan declined to draft is decoded plainly for the next steps of that size, without drafting's
-    # own cost (each sequence's lookups, the plan, the recycle: 6-9% of a step at batch 8-16 here, where plans seldom
-    # draft), twice as many steps each time it declines again, up to this many; a plan that drafts resets it.
-    BACKOFF_MAX = 64
 
     def __init__(self, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu",
                  pinned: bool = False, shard: Shard = ALONE):
@@ -214,16 +210,6 @@ class AdaptiveTrees:
         self.max_step_tokens = self.buckets[-1]
         self._since = refresh  # rates on first use
         self._trees = TreeCache(1024)  # the trees planned lately, by their rank paths
-        self._declined: dict[int, tuple[int, int]] = {}  # batch size -> (plain steps left, the next wait)
-
-    def worth_planning(self, sequences: int) -> bool:
-        """Whether a step of this many sequences should draft at all (one sequence always does; see BACKOFF_MAX).
-        Call it once per step: it counts the plain steps down."""
-        left, wait = self._declined.get(sequences, (0, 1))
-        if sequences == 1 or left == 0:
-            return True
-        self._declined[sequences] = (left - 1, wait)
-        return False
 
     @property
     def cost(self) -> CostModel | None:
@@ -321,11 +307,6 @@ class AdaptiveTrees:
             top = -heap[0][0] if heap else 0.0  # no bigger step can win once even the best candidates cannot
             if all((expected + top * (U - total)) / cost(U) <= best_value for U in sizes if U > total):
                 break
-        if B > 1 and best == 0:  # the whole batch plain: the next steps of this size do not plan (worth_planning)
-            wait = self._declined.get(B, (0, 1))[1]
-            self._declined[B] = (wait, min(2 * wait, self.BACKOFF_MAX))
-        elif B > 1:
-            self._declined.pop(B, None)
         paths, chosen = [[] for _ in roots], [[] for _ in roots]
         for b, node in taken[:best]:
             if isinstance(node, int):

@@ -125,9 +125,8 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     the longest start of its prompt (a finished request's prompt and answer stay in its slot) and prefills only the
     rest: the same bits as a cold prefill, the kernels being row-independent. `seed_matrix(ids, logits)`, if given,
     receives every prefill's logits at each prefilled position (Token Recycling's optional prompt seeding). With
-    `plain_above`, a step of more sequences than that decodes plainly (--speculative-config's disable_by_batch_size),
-    as do steps of a batch size whose adaptive plans keep declining to draft (AdaptiveTrees.worth_planning); a
-    request's `max_draft` caps its own drafts."""
+    `plain_above`, a step of more sequences than that decodes plainly (--speculative-config's disable_by_batch_size);
+    a request's `max_draft` caps its own drafts."""
     limit = cache.slots if limit is None else min(limit, cache.slots)
     source, active = requests if hasattr(requests, "take") else Listed(requests), {}
     clock, before = PhaseClock(), {}  # the steps' seconds by phase (the whole batch's), and at the last step's start
@@ -160,7 +159,6 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
         return Event(r.id, [first])
 
     remember = getattr(drafter, "remember", None)  # a drafter that learns from whole sequences (a suffix index)
-    adaptive = getattr(drafter, "adaptive", None)  # (its plans say when a batch is better decoded plainly)
 
     def finish(r: Request) -> Generation:
         view = cache.view(r.slot)  # the cache keeps the sequence only: every committed token but the last
@@ -193,8 +191,7 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 continue
             order = sorted(active.values(), key=lambda r: r.id)  # request order: the order they recycle in
             slots = [r.slot for r in order]
-            drafting = drafter if (plain_above is None or len(order) <= plain_above) and (
-                adaptive is None or adaptive.worth_planning(len(order))) else None
+            drafting = drafter if plain_above is None or len(order) <= plain_above else None
             limits = None if all(r.max_draft is None for r in order) else [
                 None if r.max_draft is None else r.max_draft + 1 for r in order]
             drafts, accepted = step(model, [cache.view(s) for s in slots], [r.history for r in order], drafting, ops,
