@@ -9,7 +9,6 @@ that names it.
 
 import ctypes
 import json
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -174,20 +173,6 @@ def safetensors_files(folder: Path) -> list[Path]:
                        "point --model at a Hugging Face model folder")
 
 
-def check_finite(weight: torch.Tensor, stored: torch.Tensor, what: str, dtype: torch.dtype) -> None:
-    """Refuse a weight with a NaN or an infinity (a model that answers end-of-text tokens to everything otherwise),
-    in one line: in the file, or made by the cast to `dtype` (a float32 value past float16's range). One pass of a
-    float64 sum: NaN and inf survive it, and no finite weights add up to more than float64 holds."""
-    if math.isfinite(float(weight.sum(dtype=torch.float64))):
-        return
-    if not math.isfinite(float(stored.sum(dtype=torch.float64))):
-        bad = int((~torch.isfinite(stored)).sum())
-        raise WeightsError(f"{what} holds {bad} NaN or infinite value(s); the file is corrupt or the model diverged "
-                           "in training: use another copy of the weights")
-    raise WeightsError(f"{what} holds values beyond {str(dtype).removeprefix('torch.')}'s range (it is stored as "
-                       f"{str(stored.dtype).removeprefix('torch.')}); load it with --dtype bfloat16 or float32")
-
-
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", ops="kernels",
                shard: Shard = ALONE, progress: Callable[[int, int], None] | None = None) -> Llama:
     """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference, its
@@ -233,10 +218,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
                 # this rank's rows or columns alone under tensor parallelism; cast as read (a fresh buffer: the
                 # file is not mapped, so nothing of it stays resident)
                 part = next((cut[suffix] for suffix in cut if key.endswith(suffix)), None)
-                stored_tensor = f.read(key, part)
-                state[key] = stored_tensor.to(device=device, dtype=dtype)
-                check_finite(state[key], stored_tensor, f"{path.name}: weight {key}", dtype)
-                del stored_tensor
+                state[key] = f.read(key, part).to(device=device, dtype=dtype)
                 if progress is not None:
                     progress(done, total)
     missing = sorted(set(expected) - set(state))
