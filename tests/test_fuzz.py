@@ -358,7 +358,7 @@ def http_body(chat: bool):
                          b, default=repr).encode())
 
 
-@fuzz(60)
+@fuzz(25)
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), data=st.data())
 def test_fuzz_http_requests(http_server, path, data):
     """Any body to either endpoint: an answer (200, whole or streamed) or a client error in OpenAI's shape (4xx) or

@@ -537,24 +537,25 @@ def test_chat_refuses_an_empty_prompt_as_generate_does(prompt):
 
 
 @pytest.mark.slow
-def test_model_may_be_a_gguf_file_converted_once_into_the_cache(gguf_cuts, tmp_path):
+def test_model_may_be_a_gguf_file_converted_once_into_the_cache(gguf_cuts, tmp_path, monkeypatch):
     """--model FILE.gguf (what llama.cpp users try first) said the folder did not exist; now the file is converted
     into the model cache once, with a notice, and runs; the next run finds it there. A truncated file is one line
     and leaves nothing in the cache."""
+    from tr_engine.model.folders import resolve_model
+
     gguf, cuts = gguf_cuts
-    env = {**os.environ, "TR_ENGINE_HOME": str(tmp_path / "home")}
+    monkeypatch.setenv("TR_ENGINE_HOME", str(tmp_path / "home"))
     args = ("--prompt", "What is the capital of France?", "--max-new-tokens", "8", "--method", "ar")
-    first = run_module("tr_engine.generate", "--model", str(gguf), *args, env=env)
+    first = run_module("tr_engine.generate", "--model", str(gguf), *args, env=dict(os.environ))
     assert first.returncode == 0 and "converting" in first.stderr and first.stdout.strip(), first.stderr
-    again = run_module("tr_engine.generate", "--model", str(gguf), *args, env=env)
-    assert again.returncode == 0 and "converting" not in again.stderr and again.stdout == first.stdout
-    assert len(list((tmp_path / "home" / "models" / "gguf").iterdir())) == 1
+    converted = list((tmp_path / "home" / "models" / "gguf").iterdir())
+    assert len(converted) == 1 and resolve_model(str(gguf)) == converted[0]  # found again, not converted again
     truncated = tmp_path / "cut.gguf"
     with open(gguf, "rb") as f:
         truncated.write_bytes(f.read(cuts["mid-tensor"]))
-    proc = run_module("tr_engine.generate", "--model", str(truncated), *args, env=env)
+    proc = run_module("tr_engine.generate", "--model", str(truncated), *args, env=dict(os.environ))
     assert proc.returncode == 2 and "download it again" in proc.stderr.strip().splitlines()[-1], proc.stderr
-    assert len(list((tmp_path / "home" / "models" / "gguf").iterdir())) == 1  # (nothing of the cut file stayed)
+    assert list((tmp_path / "home" / "models" / "gguf").iterdir()) == converted  # (nothing of the cut file stayed)
 
 
 @pytest.mark.parametrize("point", ["in main's cleanup", "while the error line is printed", "after a clean end"])
