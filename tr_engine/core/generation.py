@@ -3,7 +3,7 @@ text beside them), and run_to_end, which drives a decode generator without strea
 
 from dataclasses import dataclass, field
 
-from tr_engine.core.drafters import SOURCES
+from tr_engine.core.drafters import SOURCES, source_names
 
 
 @dataclass
@@ -27,10 +27,8 @@ class DraftCounts:
             return
         for which, nodes in ((0, range(1, len(sources))), (1, path)):
             for node in nodes:
-                bits = sources[node]
-                for i, name in enumerate(SOURCES):
-                    if bits >> i & 1:
-                        self.by_source[name][which] += 1
+                for name in source_names(sources[node]):
+                    self.by_source[name][which] += 1
 
     def add(self, other: "DraftCounts") -> None:
         """Fold another generation's counts into these (a server's totals)."""
