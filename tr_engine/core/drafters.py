@@ -70,8 +70,8 @@ class DrafterSetup:
     def __init__(self, device: torch.device, tree: DraftTree, matrix: Callable[[], RecyclingMatrix],
                  adaptive: Callable[[], AdaptiveTrees | None], suffix: SuffixIndex | None = None,
                  max_tokens: int | None = None):
-        self.max_tokens = tree.size if max_tokens is None else max_tokens
-        tree = tree if tree.size <= self.max_tokens else truncate_tree(tree, self.max_tokens)
+        self.max_tokens = max_tokens  # (None: no limit but the trees' own)
+        tree = tree if max_tokens is None or tree.size <= max_tokens else truncate_tree(tree, max_tokens)
         self.device, self.tree, self._matrix, self._adaptive, self.suffix = device, tree, matrix, adaptive, suffix
 
     @cached_property
@@ -168,7 +168,8 @@ class PromptLookup:
 
     @classmethod
     def build(cls, setup: DrafterSetup) -> "PromptLookup":
-        return cls(setup.device, length=min(cls.LENGTH, setup.max_tokens - 1))
+        return cls(setup.device, length=cls.LENGTH if setup.max_tokens is None else min(cls.LENGTH,
+                                                                                        setup.max_tokens - 1))
 
     def propose(self, history: list[int]) -> Draft:
         draft = self.lookup(history)
