@@ -262,7 +262,6 @@ def _methods_of(s: Stage, folder, prompts: list[str], mode: str, dtype: str, gra
     `strict`, a method whose tokens differ from plain decoding's is a failure."""
     from tr_engine.core.cost import BUCKETS
     from tr_engine.engine import Engine
-    from tr_engine.model.graphs import StepGraphs, graph_buckets
 
     engine = Engine.from_pretrained(str(folder), device=s.device, dtype=dtype, max_context=512,
                                     cuda_graphs=graphs and s.gpu)
@@ -270,8 +269,7 @@ def _methods_of(s: Stage, folder, prompts: list[str], mode: str, dtype: str, gra
         skip = "graph capture: no CUDA device (the uncaptured static-buffer steps run instead)"
         if skip not in s.skipped:
             s.skipped.append(skip)
-        engine.runner = StepGraphs(engine.model, engine.cache,
-                                   graph_buckets(BUCKETS, engine.tree.size, engine.cache.capacity), capture=False)
+        engine.runners.use_graphs(BUCKETS, engine.tree.size, capture=False)
     rows = {}
     for method in ("ar", "tr", "hybrid", "pld"):
         for p in prompts[:1]:  # warm-up: kernel selection, graph capture, the adaptive tree's cost curve

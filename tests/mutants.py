@@ -60,8 +60,8 @@ MUTANTS = [
            "tr_engine/cli/chat.py", "turn(session, args.prompt, ", 'turn(session, args.prompt + "\\n", ',
            ["tests/test_chat.py"]),
     Mutant("drafting-one-token-short", "drafting methods answer max_new_tokens - 1 tokens through the engine",
-           "tr_engine/engine.py", "speculative_steps(self.runner, self.slot, ids, drafter, max_new_tokens,",
-           "speculative_steps(self.runner, self.slot, ids, drafter, max_new_tokens - 1,",
+           "tr_engine/engine.py", "speculative_steps(self.runners.runner, self.slot, ids, drafter, max_new_tokens,",
+           "speculative_steps(self.runners.runner, self.slot, ids, drafter, max_new_tokens - 1,",
            ["tests/test_chat.py"]),
     # Caught before the guards above were written; kept so that they stay caught.
     Mutant("accept-last-sibling", "acceptance descends to the last matching sibling, not the first",

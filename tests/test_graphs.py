@@ -14,7 +14,7 @@ from tr_engine.core.batch import Request, batch_steps
 from tr_engine.core.drafters import TokenRecycling
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.tree import load_tree
-from tr_engine.model.graphs import BatchGraphs, StepGraphs, graph_buckets
+from tr_engine.model.graphs import BatchGraphs, StepGraphs
 from tr_engine.model.kv_cache import BatchKVCache, KVCache
 from tr_engine.model.llama import RaggedBatch
 from tr_engine.model.weights import load_model
@@ -32,9 +32,8 @@ def folder(tiny_factory):
 
 def rehearsal(engine: Engine) -> StepGraphs:
     """The engine's steps through uncaptured static buffers: the graph path, minus the capture."""
-    engine.runner = StepGraphs(engine.model, engine.cache,
-                               graph_buckets(BUCKETS, engine.tree.size, engine.cache.capacity), capture=False)
-    return engine.runner
+    engine.runners.use_graphs(BUCKETS, engine.tree.size, capture=False)
+    return engine.runners.runner
 
 
 def answers(engine: Engine, method: str, max_new_tokens: int = 48) -> list[tuple[list[int], list[int]]]:
@@ -95,7 +94,7 @@ def test_graphs_are_refused_where_they_cannot_run(folder):
         Engine.from_pretrained(str(folder), cuda_graphs=True)
     with pytest.raises(UserError, match="cuda_graphs must be"):
         Engine.from_pretrained(str(folder), cuda_graphs="yes")
-    assert Engine.from_pretrained(str(folder), cuda_graphs=False).runner.__class__.__name__ == "Llama"
+    assert Engine.from_pretrained(str(folder), cuda_graphs=False).runners.runner.__class__.__name__ == "Llama"
     assert not Engine.from_pretrained(str(folder)).cuda_graphs  # the default on a CPU: off
 
 
@@ -117,7 +116,7 @@ def test_cuda_graphs_give_the_eager_tokens(folder, dtype):
     rehearsal(eager)  # the same static-buffer forwards, uncaptured
     for method in ("ar", "tr", "pld", "hybrid"):
         assert answers(graphed, method) == answers(eager, method), method
-    runner = graphed.runner
+    runner = graphed.runners.runner
     assert isinstance(runner, StepGraphs) and not runner.failures
     assert runner.counts["graph"] > runner.counts["eager"]  # the steps replay graphs; prefills run eagerly
 
@@ -154,12 +153,9 @@ def test_a_plain_step_in_a_bigger_bucket_sees_only_itself(folder):
 def batch_rehearsal(engine: Engine) -> BatchGraphs:
     """The engine's batches through uncaptured static buffers: the batch graph path, minus the capture (the cache
     with its scratch slot, as --cuda-graphs on makes it)."""
-    m = engine.model
-    engine._batch_cache = BatchKVCache(m.local_config, engine.max_batch, engine.batch_context, m.dtype, m.device,
-                                       scratch=True)
-    engine.batch_runner = BatchGraphs(m, engine._batch_cache,
-                                      graph_buckets(BUCKETS, engine.tree.size, engine.batch_context), capture=False)
-    return engine.batch_runner
+    engine.runners.use_graphs(BUCKETS, engine.tree.size, capture=False)
+    assert engine.batch_cache().scratch is not None  # (allocated now, with the scratch slot)
+    return engine.runners.batch_runner
 
 
 def batch_answers(engine: Engine, method: str) -> list[tuple[list[int], list[int]]]:
@@ -245,6 +241,6 @@ def test_cuda_batch_graphs_give_the_eager_batch(folder, dtype):
         engine.use_cost(CostModel.flat(40))
     for method in ("ar", "tr", "hybrid"):
         assert batch_answers(graphed, method) == batch_answers(eager, method), method
-    runner = graphed.batch_runner
+    runner = graphed.runners.batch_runner
     assert isinstance(runner, BatchGraphs) and not runner.failures
     assert runner.counts["graph"] > runner.counts["eager"]  # the steps replay graphs; prefills run eagerly

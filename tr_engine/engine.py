@@ -15,25 +15,22 @@ from tr_engine import checks
 from tr_engine.core.batch import Request, batch_steps, speculative_steps
 from tr_engine.core.cost import BUCKETS, CostModel, cost_key
 from tr_engine.core.drafting import Drafting, seeder
-from tr_engine.core.generation import GenerateResult, Generation, failed, run_to_end
+from tr_engine.core.generation import GenerateResult, failed, run_to_end
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.methods import ADAPTIVE, AR, DEFAULT_METHOD, check_method
 from tr_engine.core.sampling import GREEDY, Sampler, Sampling, sampling_of
 from tr_engine.core.speculative_config import DEFAULT_SUFFIX_MB, SpeculativeConfig
 from tr_engine.core.suffix import SuffixIndex
-from tr_engine.errors import InvalidType, InvalidValue, UserError
-from tr_engine.model import cpu, parallel
-from tr_engine.model.device import check_cuda_graphs, check_device
-from tr_engine.model.folders import home, resolve_model
-from tr_engine.model.graphs import BatchGraphs, StepGraphs, graph_buckets
-from tr_engine.model.kv_cache import BatchKVCache, KVCache, check_memory
+from tr_engine.errors import InvalidType, UserError
+from tr_engine.model import cpu
+from tr_engine.model.device import check_cuda_graphs
+from tr_engine.model.folders import home
 from tr_engine.model.llama import Llama
-from tr_engine.model.ops import resolve_ops
-from tr_engine.model.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
-from tr_engine.model.weights import load_model, parse_dtype
+from tr_engine.model.loading import load
+from tr_engine.model.runners import Runners
+from tr_engine.model.tokenizer import StreamDecoder, Tokenizer
 
 
-DEFAULT_MAX_CONTEXT = 8192  # cache capacity when the model allows more; --max-context raises it
 DEFAULT_MAX_BATCH = 8  # sequences decoded together by generate_batch (--batch)
 DEFAULT_BATCH_CONTEXT = 2048  # each batched sequence's cache capacity unless --max-context says otherwise
 
@@ -51,31 +48,24 @@ class Engine:
         # so a seeded engine answers a sequence of calls the same way whatever method each uses.
         self.rng = model.shard.generator(seed)  # (under --tp every rank draws alike)
         self.method = check_method(method)  # the default decode method of generate/stream
-        self.cache = KVCache(model.local_config, max_context, model.dtype, model.device)  # (this rank's KV heads)
-        self.slot = BatchKVCache.of(self.cache)  # the cache as a batch of one, remembering its conversation for reuse
-        model.set_max_positions(max_context)
-        # What the decode loops run their forwards through: the model, or on a GPU its CUDA graphs (graphs.py).
         self.cuda_graphs = check_cuda_graphs(cuda_graphs, model.device, self.ops)
+        self.max_batch = checks.integer(max_batch, "--batch", 1)  # sequences a batch's forward decodes together
+        # The caches and what the decode loops run their forwards through (the model, or on a GPU its CUDA graphs):
+        # one sequence's, and the batch's (batch_context tokens each).
+        self.runners = Runners(model, max_context, self.max_batch, min(batch_context or DEFAULT_BATCH_CONTEXT,
+                                                                        max_context))
+        self.cache, self.slot = self.runners.cache, self.runners.slot  # (the slot remembers the conversation)
+        self.batch_context = self.runners.batch_context
         # Token Recycling's state (one matrix for the engine's lifetime: hot start across calls), its trees, the cost
         # curve that prices them, and the drafter of each method (tr_engine/core/drafting.py).
         key = cost_key(folder.name, model.dtype, model.device, self.ops.kind, self.cuda_graphs, model.shard.world,
                        self.cpu_tier if "kernels" in self.ops.kind else None)
         self.drafting = Drafting(model, self.cache, key, home(), tree, matrix_k, suffix_bytes, max_draft)
-        self.plain_above = plain_above  # a batch of more sequences decodes plainly (disable_by_batch_size)
         self.matrix, self.tree, self.tree_spec = self.drafting.matrix, self.drafting.tree, tree
-        self.runner = model
         if self.cuda_graphs:
-            buckets = graph_buckets(BUCKETS, self.tree.size, self.cache.capacity)
-            self.runner = StepGraphs(model, self.cache, buckets)
+            self.runners.use_graphs(BUCKETS, self.tree.size)
+        self.plain_above = plain_above  # a batch of more sequences decodes plainly (disable_by_batch_size)
         self.on_calibrate = None  # hears the cost curve's measurement: (fraction done, doubt) (cost_model)
-        # Batched decoding (generate_batch): up to max_batch sequences a forward, each in a cache of batch_context.
-        self.max_batch = checks.integer(max_batch, "--batch", 1)
-        self.batch_context = min(batch_context or DEFAULT_BATCH_CONTEXT, max_context)
-        # (allocated at the first batch; a size the machine cannot hold is refused now, before any measuring)
-        check_memory(BatchKVCache.shape(model.local_config, self.max_batch, self.batch_context), model.dtype,
-                     model.device, BatchKVCache.flags(self.max_batch, self.batch_context))
-        self._batch_cache: BatchKVCache | None = None
-        self.batch_runner = model  # what a batch's forwards run through: the model, or its CUDA graphs (batch_cache)
 
     @property
     def cpu_tier(self) -> str | None:
@@ -105,7 +95,7 @@ class Engine:
         serves this engine only, and the next engine measures again. `on_calibrate(fraction, doubt)`, if set, hears
         the measurement's progress: 0.0 at the start, then fractions, then 1.0 with the doubt (None, or why the curve
         was not saved)."""
-        cost, measured = self.drafting.cost_model(self.runner, recalibrate, self.on_calibrate)
+        cost, measured = self.drafting.cost_model(self.runners.runner, recalibrate, self.on_calibrate)
         if measured:  # (the measurement ran in the KV cache)
             self.reset_cache()
         return cost
@@ -138,20 +128,12 @@ class Engine:
         speculative_config: str | dict | None = None,
         parse_special_tokens: bool = False,
     ) -> "Engine":
-        """Load a model (a known name or a Hugging Face-format folder) and make an engine for it. `method` is what
-        generate and stream use by default; `speculative_config` (tr_engine/core/speculative_config.py: JSON text or a
-        dict with vLLM's keys) sets the method, the most draft tokens a step verifies and the batch size above which
-        batches decode plainly; `suffix_bytes` bounds hybrid's suffix index (0: none; method "suffix": 64 MB unless
-        given). Special-token strings written in a message's content are text unless `parse_special_tokens`."""
-        if not isinstance(name_or_path, (str, Path)):
-            raise InvalidType(f"name_or_path must be a model name or folder (a str or Path), got "
-                              f"{type(name_or_path).__name__}")
-        try:
-            ops = resolve_ops(ops)  # a spec ("kernels,tree_attention=reference") or a namespace: built once, here
-        except InvalidType:
-            raise
-        except UserError as e:
-            raise InvalidValue(str(e))
+        """Load a model (a known name, a Hugging Face-format folder or a GGUF file: tr_engine/model/loading.py) and
+        make an engine for it. `method` is what generate and stream use by default; `speculative_config`
+        (tr_engine/core/speculative_config.py: JSON text or a dict with vLLM's keys) sets the method, the most draft
+        tokens a step verifies and the batch size above which batches decode plainly; `suffix_bytes` bounds hybrid's
+        suffix index (0: none; method "suffix": 64 MB unless given). Special-token strings written in a message's
+        content are text unless `parse_special_tokens`."""
         if not isinstance(tree, (str, Path)):
             raise InvalidType(f"tree must be 'adaptive', a tree name or a tree file path, got {type(tree).__name__}")
         check_method(method)
@@ -159,31 +141,13 @@ class Engine:
         checks.integer(max_batch, "--batch", 1)
         checks.integer(suffix_bytes, "suffix_bytes", 0)
         config = SpeculativeConfig.parse(speculative_config or {}, "speculative_config")
-        method = config.method or method
         if config.suffix and not suffix_bytes:
             suffix_bytes = DEFAULT_SUFFIX_MB << 20
-        if threads is not None:
-            torch.set_num_threads(checks.integer(threads, "--threads", 1, checks.usable_cpus()))
-        if max_context is not None:
-            checks.integer(max_context, "--max-context", 1)
-        folder = resolve_model(str(name_or_path), model_dir)
-        device = check_device(device)
-        dtype = parse_dtype(dtype, device)
-        checks.integer(tp, "--tp", 1)
-        if tp > 1 and cuda_graphs:
-            raise UserError("--cuda-graphs on does not work with --tp yet (a graph would hold the all-reduces); "
-                            "leave it out")
-        check_cuda_graphs(cuda_graphs, device, ops)  # before the weights load
-        shard = parallel.init(tp, device)
-        model = load_model(folder, dtype, device, ops, shard, progress)  # progress(bytes done, total): a bar's input
-        limit = model.config.max_position_embeddings
-        if max_context is not None and not 1 <= max_context <= limit:
-            raise UserError(f"--max-context {max_context} is outside 1..{limit} (the model's context length)")
-        tokenizer = load_tokenizer(folder, model.config.eos_token_ids)
-        tokenizer.parse_special = checks.flag(parse_special_tokens, "parse_special_tokens")
-        return cls(model, tokenizer, folder, max_context or min(limit, DEFAULT_MAX_CONTEXT), str(tree), matrix_k,
-                   method, seed, False if tp > 1 else cuda_graphs, max_batch, max_context, suffix_bytes,
-                   config.num_speculative_tokens, config.disable_by_batch_size)
+        m = load(name_or_path, device, dtype, max_context, model_dir, ops, threads, cuda_graphs, tp, progress,
+                 parse_special_tokens)  # (tr_engine/model/loading.py)
+        return cls(m.model, m.tokenizer, m.folder, m.max_context, str(tree), matrix_k, config.method or method, seed,
+                   m.cuda_graphs, max_batch, max_context, suffix_bytes, config.num_speculative_tokens,
+                   config.disable_by_batch_size)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages
@@ -236,7 +200,7 @@ class Engine:
         ids = self.prompt_ids(prompt, chat_template)
         gen = yield from StreamDecoder(self.tokenizer, ids).texts(self.decode_steps(
             ids, max_new_tokens, method, seed_from_prompt, reuse_cache, drafter, sampling, seed, ignore_eos, cancel))
-        return self.result(ids, gen)
+        return GenerateResult.of(gen, ids, self.tokenizer)
 
     def generate_batch(self, prompts: list, max_new_tokens: int = 256, chat_template: bool = True,
                        method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -268,7 +232,7 @@ class Engine:
         if not isinstance(prompts, (list, tuple)):
             raise InvalidType(f"prompts must be a list of prompts, got {type(prompts).__name__}")
         results: list[GenerateResult | None] = [None] * len(prompts)
-        requests, decoders = [], {}
+        requests, texts = [], {}  # (the requests that run; their prompts' ids and text so far)
         for i, prompt in enumerate(prompts):
             try:
                 ids = self.prompt_ids(prompt, chat_template)
@@ -278,18 +242,15 @@ class Engine:
             request_seed = None if seed is None else (seed + i) % (checks.MAX_SEED + 1)
             requests.append(Request(i, ids, max_new_tokens, self.sampler(sampling, request_seed),
                                     ignore_eos=ignore_eos))
-            decoders[i] = StreamDecoder(self.tokenizer, ids)
-        prompt_of = {r.id: r.prompt_ids for r in requests}
+            texts[i] = ids, StreamDecoder(self.tokenizer, ids)
         for event in self.batch_loop(requests, method, seed_from_prompt, batch_size):
             i = event.request
             if event.error is not None:
                 results[i] = failed(f"prompt {i}: {event.error}")
-                continue
-            piece = decoders[i].push(event.tokens) + (decoders[i].flush() if event.done is not None else "")
-            if piece:
+            elif piece := texts[i][1].take(event.tokens, end=event.done is not None):
                 yield i, piece
             if event.done is not None:
-                results[i] = self.result(prompt_of[i], event.done)
+                results[i] = GenerateResult.of(event.done, texts[i][0], self.tokenizer)
         return results
 
     def batch_loop(self, requests, method: str | None = None, seed_from_prompt: bool = False,
@@ -299,36 +260,17 @@ class Engine:
         generate_batch and the server both decode through it."""
         method = check_method(method or self.method)
         drafter = None if method == AR else self.priced(self.drafter(method))
-        cache = self.batch_cache()  # (then batch_runner is set)
-        return batch_steps(self.batch_runner, cache, requests, drafter, self.tokenizer.eos_ids, self.ops, limit,
+        cache = self.batch_cache()  # (then the batch's runner is set)
+        return batch_steps(self.runners.batch_runner, cache, requests, drafter, self.tokenizer.eos_ids, self.ops, limit,
                            reuse_prefix, seeder(drafter, seed_from_prompt), self.plain_above)
 
-    def result(self, prompt_ids: list[int], gen: Generation) -> GenerateResult:
-        """A generation as the API returns it: its text (without the end-of-sequence token that ended it), ids and
-        timings."""
-        text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
-        return GenerateResult(self.tokenizer.decode(text_ids), gen.token_ids, prompt_ids, gen)
-
     def priced(self, drafter):
-        """The drafter, its adaptive tree (if any) pricing its steps by the engine's current cost curve, unless it
-        was given a curve of its own (measured here at first use: a few seconds that overwrite the KV cache)."""
-        adaptive = getattr(drafter, "adaptive", None)
-        if adaptive is not None and not adaptive.pinned:
-            adaptive.cost = self.cost_model()
-        return drafter
+        """The drafter, its adaptive tree priced by this machine's curve (measured at first use) unless pinned."""
+        return self.drafting.priced(drafter, self.cost_model)
 
-    def batch_cache(self) -> BatchKVCache:
-        """The batch's caches (max_batch slots of batch_context tokens), allocated at the first batch, with the
-        runner of its forwards (batch_runner)."""
-        if self._batch_cache is None:
-            m = self.model
-            self._batch_cache = BatchKVCache(m.local_config, self.max_batch, self.batch_context, m.dtype, m.device,
-                                             scratch=self.cuda_graphs)
-            self.batch_runner = m
-            if self.cuda_graphs:  # the batch's steps replay CUDA graphs too (a scratch slot takes their padding)
-                self.batch_runner = BatchGraphs(m, self._batch_cache, graph_buckets(BUCKETS, self.tree.size,
-                                                                                    self.batch_context))
-        return self._batch_cache
+    def batch_cache(self):
+        """The batch's slots (max_batch of batch_context tokens), allocated at the first batch."""
+        return self.runners.batch_cache()
 
     def decode_steps(self, ids: list[int], max_new_tokens: int, method: str | None = None,
                      seed_from_prompt: bool = False, reuse_cache: bool = False, drafter=None,
@@ -341,18 +283,14 @@ class Engine:
         if method != AR:  # (measuring the cost curve, once, overwrites the cache: before anything is cached)
             drafter = self.priced(drafter or self.drafter(method))
         # (ar: no drafter, each step the root alone, through the same loop)
-        return (yield from speculative_steps(self.runner, self.slot, ids, drafter, max_new_tokens,
+        return (yield from speculative_steps(self.runners.runner, self.slot, ids, drafter, max_new_tokens,
                                              self.tokenizer.eos_ids, self.ops, seeder(drafter, seed_from_prompt),
                                              sampler, ignore_eos, cancel, reuse_prefix=reuse_cache))
 
     def sampler(self, sampling: Sampling, seed: int | None = None) -> Sampler | None:
         """The draws of one sampled call (None when greedy): from `seed`, else from a seed taken off the engine's
         stream, one per call whatever the method, so seeded runs repeat exactly."""
-        if sampling.greedy:
-            return None
-        if seed is None:
-            seed = int(torch.randint(2**62, (1,), generator=self.rng))
-        return Sampler(sampling, seed)
+        return Sampler.of(sampling, seed, self.rng)
 
     @property
     def cached_ids(self) -> list[int]:

@@ -97,6 +97,15 @@ class Drafting:
             self.suffix.copy_(SuffixIndex.load(beside(path), self.model.config.vocab_size, fingerprint,
                                                self.suffix.capacity * BYTES_PER_TOKEN))
 
+    @staticmethod
+    def priced(drafter, cost_model):
+        """The drafter, its adaptive tree (if any) pricing its steps by `cost_model()` (the engine's curve: measured at
+        first use, a few seconds that overwrite the KV cache), unless it was given a curve of its own."""
+        adaptive = getattr(drafter, "adaptive", None)
+        if adaptive is not None and not adaptive.pinned:
+            adaptive.cost = cost_model()
+        return drafter
+
     def use_cost(self, cost: CostModel) -> None:
         if not isinstance(cost, CostModel):
             raise InvalidType(f"cost must be a CostModel, got {type(cost).__name__}")

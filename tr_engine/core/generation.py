@@ -90,6 +90,13 @@ class GenerateResult:
     generation: Generation
     error: str | None = None  # a request of a batch that could not run: why, in one line (nothing generated)
 
+    @classmethod
+    def of(cls, gen: Generation, prompt_ids: list[int], tokenizer) -> "GenerateResult":
+        """A generation as the API returns it: its text (without the end-of-sequence token that ended it), ids and
+        timings."""
+        text_ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
+        return cls(tokenizer.decode(text_ids), gen.token_ids, prompt_ids, gen)
+
     @property
     def tokens_per_s(self) -> float:
         g = self.generation

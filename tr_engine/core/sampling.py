@@ -136,6 +136,14 @@ class Sampler:
             raise ValueError("a Sampler samples; greedy decoding takes the argmax")
         self.sampling, self.seed = sampling, seed
 
+    @classmethod
+    def of(cls, sampling: Sampling, seed: int | None, rng: torch.Generator) -> "Sampler | None":
+        """The draws of one sampled call (None when greedy): from `seed`, else from a seed taken off `rng` (an
+        engine's stream, one per call whatever the method, so seeded runs repeat exactly)."""
+        if sampling.greedy:
+            return None
+        return cls(sampling, int(torch.randint(2**62, (1,), generator=rng)) if seed is None else seed)
+
     def noise(self, j: int, vocab: int) -> torch.Tensor:
         return gumbel_noise(self.seed, j, vocab)
 

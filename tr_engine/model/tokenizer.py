@@ -238,6 +238,10 @@ class StreamDecoder:
             yield tail
         return result
 
+    def take(self, new_ids: list[int], end: bool = False) -> str:
+        """push(new_ids), and at the `end` the text held back too (flush)."""
+        return self.push(new_ids) + (self.flush() if end else "")
+
     def push(self, new_ids: list[int]) -> str:
         self.ids += [t for t in new_ids if t not in self.tok.eos_ids]
         text = self.tok.decode(self.ids)
