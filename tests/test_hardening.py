@@ -248,6 +248,26 @@ def test_a_weight_stored_as_something_else_than_floating_point_is_refused(folder
     assert_one_line_error(gen(bad, "--prompt", "hi"), key, f"stored as {stored}", "floating point")
 
 
+@pytest.mark.parametrize("value, dtype, says", [
+    (float("nan"), "float32", "holds 1 NaN or infinite value(s)"),
+    (float("-inf"), "bfloat16", "holds 1 NaN or infinite value(s)"),
+    (1e6, "float16", "beyond float16's range (it is stored as float32); load it with --dtype bfloat16"),
+])
+def test_a_weight_that_is_not_finite_is_refused_naming_it(folder, tmp_path, value, dtype, says):
+    """A model with NaN weights answered end-of-text tokens with exit 0 and no word; now the load refuses it and
+    names the weight, also where only the cast to --dtype makes it infinite."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            (bad / f.name).write_bytes(f.read_bytes())
+    weights = {k: v.to(torch.float32) for k, v in load_file(folder / "model.safetensors").items()}
+    key = "model.layers.1.self_attn.o_proj.weight"
+    weights[key][3, 5] = value
+    save_file(weights, bad / "model.safetensors")
+    assert_one_line_error(gen(bad, "--prompt", "hi", "--dtype", dtype), f"weight {key}", says)
+
+
 @pytest.fixture(scope="module")
 def gguf_cuts():
     """The default model's GGUF file and where to cut it: in its header, in its tensor table, in its first tensor."""

@@ -9,6 +9,7 @@ that names it.
 
 import ctypes
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -173,6 +174,28 @@ def safetensors_files(folder: Path) -> list[Path]:
                        "point --model at a Hugging Face model folder")
 
 
+def finite(weight: torch.Tensor) -> bool:
+    """Whether every value of `weight` is finite: its minimum and maximum are (NaN propagates through both), one
+    pass over it that allocates nothing of its size (a whole-tensor isfinite or float64 sum would, at load's peak)."""
+    if weight.numel() == 0:
+        return True
+    low, high = torch.aminmax(weight)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
+def check_finite(weight: torch.Tensor, stored: torch.Tensor, what: str, dtype: torch.dtype) -> None:
+    """Refuse a weight with a NaN or an infinity (a model that answers end-of-text tokens to everything otherwise),
+    in one line: in the file, or made by the cast to `dtype` (a float32 value past float16's range)."""
+    if finite(weight):
+        return
+    if not finite(stored):
+        bad = int((~torch.isfinite(stored)).sum())  # (the error path: the count may allocate)
+        raise WeightsError(f"{what} holds {bad} NaN or infinite value(s); the file is corrupt or the model diverged "
+                           "in training: use another copy of the weights")
+    raise WeightsError(f"{what} holds values beyond {str(dtype).removeprefix('torch.')}'s range (it is stored as "
+                       f"{str(stored.dtype).removeprefix('torch.')}); load it with --dtype bfloat16 or float32")
+
+
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", ops="kernels",
                shard: Shard = ALONE, progress: Callable[[int, int], None] | None = None) -> Llama:
     """Build the model from `folder` (config.json + safetensors) in `dtype` on `device`, ready for inference, its
@@ -218,7 +241,10 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
                 # this rank's rows or columns alone under tensor parallelism; cast as read (a fresh buffer: the
                 # file is not mapped, so nothing of it stays resident)
                 part = next((cut[suffix] for suffix in cut if key.endswith(suffix)), None)
-                state[key] = f.read(key, part).to(device=device, dtype=dtype)
+                stored = f.read(key, part)
+                state[key] = stored.to(device=device, dtype=dtype)
+                check_finite(state[key], stored, f"{path.name}: weight {key}", dtype)
+                del stored  # (a cast's source: gone before the next tensor is read)
                 if progress is not None:
                     progress(done, total)
     missing = sorted(set(expected) - set(state))
