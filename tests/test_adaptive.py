@@ -342,8 +342,10 @@ def test_sizes_too_dear_to_pay_are_not_timed_but_extrapolated(tiny, one_thread):
     assert cm.doubt is None and cm.buckets[-1] == 96 and cm.prefixes == (104, 104)  # (the cache's room)
     verifies = [n for n in timed.calls if n != 104]  # (the prefills)
     assert max(verifies) <= 4 * MAX_RELATIVE  # (the warm-up judges at twice the limit, then the first timed pass)
-    for row in cm.relative:  # (a plain step is the model's own ~1.5 ms and 3 ms of sleep: about 0.7 steps a token)
-        assert row == sorted(row) and row[-1] > 4 * MAX_RELATIVE and row[-1] / row[7] == pytest.approx(96 / 8, rel=0.3)
+    # (A plain step is the model's own ~1.5 ms and 3 ms of sleep: about 0.7 steps a token, 67 at 96 tokens; a busy
+    # host slows the model's part and so lowers them all, to 46 once in CI: the bound leaves room for that.)
+    for row in cm.relative:
+        assert row == sorted(row) and row[-1] > 2 * MAX_RELATIVE and row[-1] / row[7] == pytest.approx(96 / 8, rel=0.3)
     assert fractions == sorted(fractions) and fractions[-1] == 1.0 and len(fractions) > 10  # the notice's progress
 
 
