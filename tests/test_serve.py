@@ -327,13 +327,29 @@ def test_a_bad_request_gets_its_status_and_an_openai_error(server, path, body, s
     assert error["type"] == "invalid_request_error"
 
 
+def whole_response(sock) -> bytes:
+    """One HTTP response read off a raw socket: its head, then its Content-Length of body (they may come apart)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head + b"\r\n\r\n" + body
+
+
 def test_hostile_bodies_get_a_400_or_413_and_nobody_waits_for_them(tiny):
     """A body past --max-body-bytes is a 413 before it is read (declared or chunked), while /health answers at once;
     a body of deeply nested arrays or a number of 5000 digits is a 400 (they were 500s with a traceback); a client
-    that hangs up mid-body is one line in the log; no traceback anywhere in it."""
+    that hangs up mid-body is one line in the log; slow clients (a request head never finished, before or after an
+    answer on the same connection, or none sent; a body that stops) are closed or get a 408 after their timeouts,
+    while /health answers at once; no traceback anywhere in the log."""
     import socket as sockets
 
-    s = Server(tiny, "--dtype", "float64", "--no-persist", "--max-context", "256", "--max-body-bytes", "65536")
+    s = Server(tiny, "--dtype", "float64", "--no-persist", "--max-context", "256", "--max-body-bytes", "65536",
+               "--header-timeout", "1", "--body-timeout", "1")
     try:
         for raw in (b'{"messages": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
                     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}"):
@@ -371,10 +387,33 @@ def test_hostile_bodies_get_a_400_or_413_and_nobody_waits_for_them(tiny):
             c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n{\"mess")
         time.sleep(0.5)
         assert s.get("/health")[0] == 200
+        # Slow clients (slowloris): 20 connections, half with a head begun and never ended, half silent; one that
+        # ends its head only after an answer on the same connection; one whose body stops.
+        opened = time.perf_counter()
+        slow = [sockets.create_connection(("127.0.0.1", s.port), timeout=30) for _ in range(20)]
+        for c in slow[:10]:
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        kept = sockets.create_connection(("127.0.0.1", s.port), timeout=30)
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert whole_response(kept).startswith(b"HTTP/1.1 200")
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # (the next head, never ended)
+        slow.append(kept)
+        t0 = time.perf_counter()
+        assert s.get("/health")[0] == 200 and time.perf_counter() - t0 < 1.0  # nobody waits for them
+        with sockets.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"mess")
+            reply = whole_response(c)
+            assert reply.startswith(b"HTTP/1.1 408") and b"--body-timeout" in reply, reply[:300]
+        for c in slow:
+            assert c.recv(4096) == b""  # closed by the server
+            c.close()
+        assert time.perf_counter() - opened < 15  # (each after its 1 s, not the 30 s the sockets would wait)
     finally:
         code, out = s.stop()
     assert code == 0 and "Traceback" not in out and "internal error" not in out, out
     assert "a client hung up before sending its whole request" in out, out
+    assert out.count("sent no whole request head in 1 s (--header-timeout)") == 21, out
 
 
 def test_the_openai_client_sees_the_errors_as_its_own(server):

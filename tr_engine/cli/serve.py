@@ -37,6 +37,8 @@ DEFAULT_BATCH = 8
 DEFAULT_MAX_QUEUED = 64
 DEFAULT_MAX_CONNECTIONS = 512  # uvicorn's limit_concurrency: open connections and running requests
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request head must be whole this long after the connection opens or its first byte
+DEFAULT_BODY_TIMEOUT_S = 30.0  # the longest pause within a request body
 DEFAULT_GRACE_S = 5.0
 DEFAULT_SAVE_EVERY_S = 300.0
 SHUTDOWN_MARGIN_S = 10.0  # after the grace period: for the cancelled requests' last events to reach their clients
@@ -63,6 +65,12 @@ def build_parser() -> ArgumentParser:
                          "least 1 MiB); a larger one gets a 413 before it is read")
     ap.add_argument("--max-connections", type=integer(1), default=DEFAULT_MAX_CONNECTIONS, metavar="C",
                     help=f"open connections at most (default {DEFAULT_MAX_CONNECTIONS}); past it, new ones get a 503")
+    ap.add_argument("--header-timeout", type=real(0.1), default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                    help=f"seconds a client has to send a whole request head once it connects or starts one (default "
+                         f"{DEFAULT_HEADER_TIMEOUT_S:g}); a slower one's connection is closed")
+    ap.add_argument("--body-timeout", type=real(0.1), default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                    help=f"the longest pause within a request body (default {DEFAULT_BODY_TIMEOUT_S:g} s); past it, "
+                         "408")
     ap.add_argument("--grace", type=real(0.0), default=DEFAULT_GRACE_S, metavar="S",
                     help=f"on SIGTERM or Ctrl-C, seconds running requests may take to finish (default "
                          f"{DEFAULT_GRACE_S:g}) before they are cancelled and the matrix is saved")
@@ -84,6 +92,7 @@ def main(argv=None) -> int:
     leader = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # (--tp under torchrun: rank 0 alone serves HTTP)
     listener = listen(args.host, args.port) if leader else None  # and a port that is taken
     from tr_engine.serving.openai_api import Defaults, create_app  # imports torch and FastAPI: after the checks
+    from tr_engine.serving.protocol import timed_protocol
     from tr_engine.serving.scheduler import Scheduler
 
     engine = engine_from_args(args)
@@ -95,10 +104,11 @@ def main(argv=None) -> int:
     if engine.model.shard.rank != 0:
         return follow(scheduler)
     name = args.served_model_name or engine.folder.name
-    app = create_app(scheduler, name, Defaults(sampling), args.max_body_bytes)
+    app = create_app(scheduler, name, Defaults(sampling), args.max_body_bytes, args.body_timeout)
     config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
                             lifespan="off", timeout_graceful_shutdown=args.grace + SHUTDOWN_MARGIN_S,
-                            limit_concurrency=args.max_connections, timeout_keep_alive=KEEP_ALIVE_S)
+                            limit_concurrency=args.max_connections, timeout_keep_alive=KEEP_ALIVE_S,
+                            http=timed_protocol(args.header_timeout))
     server = uvicorn.Server(config)  # (off the main thread, uvicorn leaves the signals to us)
 
     failed = []

@@ -201,14 +201,16 @@ def default_max_body_bytes(context: int) -> int:
 
 
 def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None = None,
-               max_body_bytes: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, body_timeout: float = 30.0) -> FastAPI:
     """The API over a running Scheduler, serving it as `model_name`; request bodies past `max_body_bytes` (default:
-    default_max_body_bytes of the scheduler's context) get a 413. The caller closes the scheduler when the app stops
+    default_max_body_bytes of the scheduler's context) get a 413, and a body that pauses longer than `body_timeout`
+    seconds a 408. The caller closes the scheduler when the app stops
     (tr_engine/cli/serve.py does, after the running requests had their grace period)."""
     engine = scheduler.engine
     app = FastAPI(title="tr-engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.scheduler, app.state.model_name = engine, scheduler, model_name
     app.state.max_body_bytes = max_body_bytes or default_max_body_bytes(scheduler.context)
+    app.state.body_timeout = body_timeout
     app.state.defaults, app.state.metrics = defaults or Defaults(), Metrics()
 
     @app.exception_handler(APIError)
@@ -259,7 +261,7 @@ def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None 
     async def complete(request: Request, chat: bool):
         state = app.state
         try:
-            raw = await read_limited(request, state.max_body_bytes)
+            raw = await read_limited(request, state.max_body_bytes, state.body_timeout)
         except ClientDisconnect:  # gone before its body was whole: nobody to answer
             print(f"note: a client hung up before sending its whole request to {request.url.path}", flush=True)
             return Response(status_code=499)
@@ -287,16 +289,25 @@ def respond(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers=e.headers)
 
 
-async def read_limited(request: Request, limit: int) -> bytes:
+async def read_limited(request: Request, limit: int, pause: float = 30.0) -> bytes:
     """The request's body, refused with a 413 as soon as it passes `limit` bytes (its Content-Length says so before
-    anything is read; a chunked body, once it has)."""
+    anything is read; a chunked body, once it has), and with a 408 when nothing of it arrives for `pause` seconds."""
     declared = request.headers.get("content-length")
     too_big = APIError(413, f"the request body is larger than this server takes ({limit} bytes: --max-body-bytes); "
                             "send a shorter prompt", code="request_too_large")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
+    body = aiter(request.stream())
+    while True:
+        try:
+            async with asyncio.timeout(pause):
+                chunk = await anext(body)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise APIError(408, f"the request body paused for more than {pause:g} s (--body-timeout); send it whole",
+                           code="request_timeout")
         size += len(chunk)
         if size > limit:
             raise too_big
