@@ -155,17 +155,27 @@ class DevAnswer(NamedTuple):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dev_answers(smollm2) -> list[DevAnswer]:
+def smollm2_dev_answers(request, tmp_path_factory) -> list[DevAnswer]:
     """SmolLM2 fp32's plain greedy answers (32 new tokens) to the dev subset's first turns (tests/data/dev_subset.jsonl:
     one question per category group of shared/data/spec_bench_dev.jsonl): the reference that the tests hold TR's
-    kernels and references and tensor parallelism to, decoded once."""
+    kernels and references and tensor parallelism to, decoded once a run (~20 s): the first worker to need them
+    decodes them, under a lock, and the others read its file."""
+    import fcntl
     import json
     from pathlib import Path
 
     rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "dev_subset.jsonl").read_text().splitlines()]
     assert len(rows) == 6
-    return [DevAnswer(r["question_id"], r["turns"][0], 32,
-                      smollm2.generate(r["turns"][0], max_new_tokens=32, method="ar").token_ids) for r in rows]
+    shared = (tmp_path_factory.getbasetemp().parent if WORKERS > 1 else tmp_path_factory.getbasetemp())
+    saved = shared / "smollm2_dev_answers.json"
+    with open(shared / "smollm2_dev_answers.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not saved.exists():
+            smollm2 = request.getfixturevalue("smollm2")
+            answers = [smollm2.generate(r["turns"][0], max_new_tokens=32, method="ar").token_ids for r in rows]
+            saved.write_text(json.dumps(answers))
+        answers = json.loads(saved.read_text())
+    return [DevAnswer(r["question_id"], r["turns"][0], 32, ids) for r, ids in zip(rows, answers)]
 
 
 @pytest.fixture(scope="session", params=["bfloat16", "float16"])
