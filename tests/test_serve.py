@@ -416,6 +416,33 @@ def test_hostile_bodies_get_a_400_or_413_and_nobody_waits_for_them(tiny):
     assert out.count("sent no whole request head in 1 s (--header-timeout)") == 21, out
 
 
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_large_request_leaves_the_server_as_big_as_before(tiny):
+    """A prompt just under the default body limit (1 MiB: 200,000 tokens, far past the context) is tokenized on a
+    worker thread and refused with a 400; the memory its parse and tokens took goes back to the system after it
+    (glibc kept it: 269 MB before three such prompts, 476 MB after), so the server's resident size ends within 10%
+    of where it began."""
+    s = Server(tiny, "--dtype", "float64", "--no-persist", "--max-context", "256")
+    try:
+        status, _, _ = s.request("POST", "/v1/chat/completions", {"messages": messages("hi"), "max_tokens": 2})
+        assert status == 200
+        before = rss_mb(s.process.pid)
+        for _ in range(3):
+            status, _, text = s.request("POST", "/v1/chat/completions", {"messages": messages("word " * 200_000)})
+            assert status == 400 and json.loads(text)["error"]["code"] == "context_length_exceeded", text
+        deadline = time.time() + 5  # (the memory goes back just after the answer)
+        while (after := rss_mb(s.process.pid)) > 1.10 * before and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        code, out = s.stop()
+    assert code == 0, out
+    assert after <= 1.10 * before, f"resident {before:.0f} MB before, {after:.0f} MB after three 1 MB prompts"
+
+
 def test_the_openai_client_sees_the_errors_as_its_own(server):
     with pytest.raises(openai.NotFoundError, match="does not exist here"):
         server.client.chat.completions.create(model="gpt-4", messages=messages("hi"))

@@ -41,6 +41,7 @@ from tr_engine.core.sampling import Sampling
 from tr_engine.core.suffix import BYTES_PER_TOKEN
 from tr_engine.errors import ContextOverflow, UserError, one_line
 from tr_engine.model.tokenizer import StreamDecoder
+from tr_engine.model.weights import release_freed_memory
 from tr_engine.serving.api_schema import CHAT_FIELDS, COMPLETION_FIELDS, APIError, Job, Shape, read_body, read_job
 from tr_engine.serving.scheduler import QueueFull, RequestError, Scheduler
 
@@ -194,6 +195,9 @@ class Answer:
             m.drafts.add(self.generation.drafts)
 
 
+LARGE_BODY_BYTES = 256 << 10  # a body this large has its freed memory handed back to the system (glibc keeps it)
+
+
 def default_max_body_bytes(context: int) -> int:
     """What a request's body may weigh by default: far more than a prompt that fits `context` tokens can take (a
     token is a few bytes of text, a few more escaped in JSON), and never under 1 MiB."""
@@ -265,11 +269,18 @@ def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None 
         except ClientDisconnect:  # gone before its body was whole: nobody to answer
             print(f"note: a client hung up before sending its whole request to {request.url.path}", flush=True)
             return Response(status_code=499)
-        body = read_body(raw, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-        job = read_job(body, chat, model_name, state.defaults.sampling, state.scheduler.method)
-        # The template's rendering and the tokenization on a worker thread: a huge prompt holds up no other client
-        # (nor /health) while it is read.
-        handle = await asyncio.to_thread(submit, state, job, asyncio.get_running_loop())
+        large = len(raw) >= LARGE_BODY_BYTES
+        try:
+            body = read_body(raw, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            job = read_job(body, chat, model_name, state.defaults.sampling, state.scheduler.method)
+            # The template's rendering and the tokenization on a worker thread: a huge prompt holds up no other client
+            # (nor /health) while it is read.
+            handle = await asyncio.to_thread(submit, state, job, asyncio.get_running_loop())
+        finally:
+            if large:  # once its parse and tokens are freed (the answer sent), their pages go back to the system
+                raw = body = None
+                loop = asyncio.get_running_loop()
+                loop.call_later(0.2, loop.run_in_executor, None, release_freed_memory)  # (glibc would keep them)
         answer = Answer(state, job, handle)
         ids = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         shape = Shape(ids, model_name, chat)
