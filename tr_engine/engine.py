@@ -247,7 +247,8 @@ class Engine:
             i = event.request
             if event.error is not None:
                 results[i] = failed(f"prompt {i}: {event.error}")
-            elif piece := texts[i][1].take(event.tokens, end=event.done is not None):
+                continue
+            if piece := texts[i][1].take(event.tokens, end=event.done is not None):
                 yield i, piece
             if event.done is not None:
                 results[i] = GenerateResult.of(event.done, texts[i][0], self.tokenizer)
@@ -261,8 +262,8 @@ class Engine:
         method = check_method(method or self.method)
         drafter = None if method == AR else self.priced(self.drafter(method))
         cache = self.batch_cache()  # (then the batch's runner is set)
-        return batch_steps(self.runners.batch_runner, cache, requests, drafter, self.tokenizer.eos_ids, self.ops, limit,
-                           reuse_prefix, seeder(drafter, seed_from_prompt), self.plain_above)
+        return batch_steps(self.runners.batch_runner, cache, requests, drafter, self.tokenizer.eos_ids, self.ops,
+                           limit, reuse_prefix, seeder(drafter, seed_from_prompt), self.plain_above)
 
     def priced(self, drafter):
         """The drafter, its adaptive tree priced by this machine's curve (measured at first use) unless pinned."""
