@@ -172,14 +172,13 @@ class Engine:
         """Answer a prompt (a string, or a conversation as messages): `method` "ar" (plain decoding), "tr" (Token
         Recycling), "pld" (prompt lookup) or "hybrid" (both in one tree), default the engine's; all emit the same
         tokens, greedy (temperature 0, the default) or sampled from the model's distribution (temperature, top_k,
-        top_p, or `sampling`, a Sampling built once where the request came in; `seed` fixes this call's draws, else they
-        come from the engine's seeded stream). `drafter` (from
-        new_drafter) overrides `method`. The recycling matrix persists across calls. With `reuse_cache`, the part of
-        the prompt the cache already holds (the earlier turns of a conversation, with their answers) is not computed
-        again; otherwise every call starts from an empty cache. With `ignore_eos`, decoding goes on past the
-        end-of-sequence token to max_new_tokens (a benchmark's fixed length). `cancel`, a threading.Event set from
-        any thread, ends the call at the next step boundary: its result holds what was generated, finish_reason
-        "cancelled"."""
+        top_p, or `sampling`, a Sampling built once where the request came in; `seed` fixes this call's draws, else
+        they come from the engine's seeded stream). `drafter` (from new_drafter) overrides `method`. The recycling
+        matrix persists across calls. With `reuse_cache`, the part of the prompt the cache already holds (the earlier
+        turns of a conversation, with their answers) is not computed again; otherwise every call starts from an empty
+        cache. With `ignore_eos`, decoding goes on past the end-of-sequence token to max_new_tokens (a benchmark's
+        fixed length). `cancel`, a threading.Event set from any thread, ends the call at the next step boundary: its
+        result holds what was generated, finish_reason "cancelled"."""
         return run_to_end(self.stream(prompt, max_new_tokens, chat_template, method, seed_from_prompt, reuse_cache,
                                       drafter, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                       ignore_eos=ignore_eos, cancel=cancel, sampling=sampling))
