@@ -31,14 +31,13 @@ from tr_engine.cli.args import add_engine_args, add_matrix_args, engine_from_arg
     sampling_from_args
 from tr_engine.cli.common import EXIT_BUG, ArgumentParser, run
 from tr_engine.errors import MatrixFileError, UserError, warn
+from tr_engine.serving.protocol import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, timed_protocol
 
 DEFAULT_PORT = 8000
 DEFAULT_BATCH = 8
 DEFAULT_MAX_QUEUED = 64
 DEFAULT_MAX_CONNECTIONS = 512  # uvicorn's limit_concurrency: open connections and running requests
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long
-DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request head must be whole this long after the connection opens or its first byte
-DEFAULT_BODY_TIMEOUT_S = 30.0  # the longest pause within a request body
 DEFAULT_GRACE_S = 5.0
 DEFAULT_SAVE_EVERY_S = 300.0
 SHUTDOWN_MARGIN_S = 10.0  # after the grace period: for the cancelled requests' last events to reach their clients
@@ -65,11 +64,11 @@ def build_parser() -> ArgumentParser:
                          "least 1 MiB); a larger one gets a 413 before it is read")
     ap.add_argument("--max-connections", type=integer(1), default=DEFAULT_MAX_CONNECTIONS, metavar="C",
                     help=f"open connections at most (default {DEFAULT_MAX_CONNECTIONS}); past it, new ones get a 503")
-    ap.add_argument("--header-timeout", type=real(0.1), default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+    ap.add_argument("--header-timeout", type=real(0.1), default=HEADER_TIMEOUT_S, metavar="S",
                     help=f"seconds a client has to send a whole request head once it connects or starts one (default "
-                         f"{DEFAULT_HEADER_TIMEOUT_S:g}); a slower one's connection is closed")
-    ap.add_argument("--body-timeout", type=real(0.1), default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
-                    help=f"the longest pause within a request body (default {DEFAULT_BODY_TIMEOUT_S:g} s); past it, "
+                         f"{HEADER_TIMEOUT_S:g}); a slower one's connection is closed")
+    ap.add_argument("--body-timeout", type=real(0.1), default=BODY_TIMEOUT_S, metavar="S",
+                    help=f"the longest pause within a request body (default {BODY_TIMEOUT_S:g} s); past it, "
                          "408")
     ap.add_argument("--grace", type=real(0.0), default=DEFAULT_GRACE_S, metavar="S",
                     help=f"on SIGTERM or Ctrl-C, seconds running requests may take to finish (default "
@@ -92,7 +91,6 @@ def main(argv=None) -> int:
     leader = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # (--tp under torchrun: rank 0 alone serves HTTP)
     listener = listen(args.host, args.port) if leader else None  # and a port that is taken
     from tr_engine.serving.openai_api import Defaults, create_app  # imports torch and FastAPI: after the checks
-    from tr_engine.serving.protocol import timed_protocol
     from tr_engine.serving.scheduler import Scheduler
 
     engine = engine_from_args(args)

@@ -43,6 +43,7 @@ from tr_engine.errors import ContextOverflow, UserError, one_line
 from tr_engine.model.tokenizer import StreamDecoder
 from tr_engine.model.weights import release_freed_memory
 from tr_engine.serving.api_schema import CHAT_FIELDS, COMPLETION_FIELDS, APIError, Job, Shape, read_body, read_job
+from tr_engine.serving.protocol import BODY_TIMEOUT_S
 from tr_engine.serving.scheduler import QueueFull, RequestError, Scheduler
 
 RETRY_AFTER_S = 1  # what a 503 asks a client to wait before it tries again
@@ -205,7 +206,7 @@ def default_max_body_bytes(context: int) -> int:
 
 
 def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None = None,
-               max_body_bytes: int | None = None, body_timeout: float = 30.0) -> FastAPI:
+               max_body_bytes: int | None = None, body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The API over a running Scheduler, serving it as `model_name`; request bodies past `max_body_bytes` (default:
     default_max_body_bytes of the scheduler's context) get a 413, and a body that pauses longer than `body_timeout`
     seconds a 408. The caller closes the scheduler when the app stops
@@ -300,7 +301,7 @@ def respond(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers=e.headers)
 
 
-async def read_limited(request: Request, limit: int, pause: float = 30.0) -> bytes:
+async def read_limited(request: Request, limit: int, pause: float = BODY_TIMEOUT_S) -> bytes:
     """The request's body, refused with a 413 as soon as it passes `limit` bytes (its Content-Length says so before
     anything is read; a chunked body, once it has), and with a 408 when nothing of it arrives for `pause` seconds."""
     declared = request.headers.get("content-length")

@@ -7,9 +7,12 @@ connection between requests; a body's pauses are timed by the app (openai_api.re
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+HEADER_TIMEOUT_S = 10.0  # a request head must be whole this long after the connection opens or its first byte
+BODY_TIMEOUT_S = 30.0  # the longest pause within a request body (openai_api.read_limited)
+
 
 class TimedH11Protocol(H11Protocol):
-    header_timeout = 10.0  # seconds (timed_protocol makes the class with another)
+    header_timeout = HEADER_TIMEOUT_S  # (timed_protocol makes the class with another)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
