@@ -217,6 +217,8 @@ def test_smollm2_fp32_at_tp2_answers_the_dev_subset_as_one_process_does(smollm2_
 
 
 def test_torchrun_runs_the_generate_command_and_rank_0_alone_answers(tiny_factory):
+    """Rank 0 alone prints the answer, with the default adaptive tree: its verify cost curve measured by both ranks
+    together (the other torchrun tests plan static trees, to spare that measurement)."""
     import json
     import subprocess
     import sys
@@ -287,8 +289,9 @@ def test_torchrun_chat_reads_on_rank_0_and_every_rank_follows(tiny_factory):
     import sys
 
     folder = str(tiny_factory("tp-methods", num_heads=6, num_kv_heads=3, vocab_size=301))
+    # (the paper's static tree: measuring a verify cost curve at TP=2, 4 s of each rank, is the generate test's part)
     command = ["-m", "tr_engine.chat", "--model", folder, "--max-new-tokens", "16", "--quiet", "--no-persist",
-               "--max-context", "256"]
+               "--max-context", "256", "--tree", "2.2.2"]
     turns = "hello there\n/method tr\nthe cat sat on the mat\n"
     alone = subprocess.run([sys.executable, *command], input=turns, capture_output=True, text=True, timeout=300)
     tp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
@@ -306,7 +309,7 @@ def test_torchrun_chat_outlasts_a_pause_in_its_input_longer_than_the_timeout(tin
 
     folder = str(tiny_factory("tp-methods", num_heads=6, num_kv_heads=3, vocab_size=301))
     command = ["-m", "tr_engine.chat", "--model", folder, "--max-new-tokens", "8", "--quiet", "--no-persist",
-               "--max-context", "256", "--method", "tr"]
+               "--max-context", "256", "--method", "tr", "--tree", "2.2.2"]  # (static: no curve measured)
     alone = subprocess.run([sys.executable, *command], input="hello there\nand again\n", capture_output=True,
                            text=True, timeout=300)
     tp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",

@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 class Server:
     """`python -m tr_engine.serve` in a child process, on a free port; stop() sends SIGTERM and waits."""
 
-    def __init__(self, model: str, *flags: str, launcher: tuple[str, ...] = ()):
+    def __init__(self, model: str, *flags: str, launcher: tuple[str, ...] = (), env: dict | None = None):
         self.port = free_port()
         self.process = subprocess.Popen([sys.executable, *launcher, "-m", "tr_engine.serve", "--model", model,
                                          "--port", str(self.port), *flags], cwd=ROOT, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True)
+                                        stderr=subprocess.STDOUT, text=True, env=env and {**os.environ, **env})
         deadline = time.time() + 180
         while True:
             try:
@@ -548,12 +548,14 @@ def test_torchrun_serves_tp2_and_answers_the_openai_client_as_one_process_does(t
     step (gloo); concurrent clients, streamed and whole, get one process's answers; SIGTERM stops both ranks
     cleanly, the running requests finished first."""
     launcher = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
+    # (a 20 s collective timeout: a heartbeat every 5 s, parallel.heartbeat_s(), so that idling past one takes 6 s; the
+    # static tree: no verify cost curve measured at TP=2, the generate command's test does that)
     server = Server(tiny, "--tp", "2", "--dtype", "float64", "--batch", "3", "--no-persist", "--max-context", "256",
-                    launcher=launcher)
+                    "--tree", "2.2.2", launcher=launcher, env={"TR_ENGINE_TP_TIMEOUT_S": "20"})
     try:
         want = [alone(messages(p)).text for p in PROMPTS]
         assert concurrent_answers(server) == want
-        time.sleep(12)  # idle past a heartbeat (parallel.heartbeat_s()): the other rank is still in step
+        time.sleep(6)  # idle past a heartbeat: the other rank is still in step
         second = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": want[0]},
                   {"role": "user", "content": "and then?"}]
         again = server.client.chat.completions.create(model=server.model, messages=second, max_tokens=24,
