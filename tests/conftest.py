@@ -20,6 +20,10 @@ THREADS = min(2, max(1, CPUS // WORKERS))
 if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(THREADS)
 torch.set_num_threads(THREADS)
+# Weights in ordinary pages (csrc/cpu/packed_linear.cpp): on this project's VMs a huge page costs ~15 ms at its first
+# touch, 3-6 s of every load of the default model, and the suite loads it dozens of times. (Read by the op library at
+# its first packing, and by every command a test starts; test_weights holds the default, advised, to its own test.)
+os.environ.setdefault("TR_ENGINE_HUGE_PAGES", "0")
 # Started in the background of a shell without job control, this process inherits SIGINT ignored, and Python then
 # never raises KeyboardInterrupt (nor do the commands the tests start): the Ctrl-C tests need the normal handler.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

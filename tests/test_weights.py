@@ -1,7 +1,11 @@
 """Strict weight loading and each bad model folder's one-line error."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,3 +249,27 @@ def test_loading_holds_the_weights_once(tiny_factory, tmp_path):
     got = measure(folder, tiny_factory(), threads=1)  # (a fresh process, as bench/results/load_memory_*.md)
     assert got["held_bytes"] > 90e6
     assert got["grown_x"] < 1.25 and got["peak_x"] < 1.5, got
+
+
+ADVISED = """
+import torch, tr_engine._C
+w = torch.ops.tr_engine.pack_linear(torch.ones(8192, 576))  # 18.9 MB: a 2 MB-aligned block of its own
+at = w.data_ptr()
+for line in open("/proc/self/smaps"):
+    if "-" in line.split()[0] and ":" not in line.split()[0]:
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+    elif line.startswith("VmFlags:") and lo <= at < hi:
+        print(" hg" in line)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc/self/smaps says what was advised")
+@pytest.mark.parametrize("setting, advised", [(None, True), ("1", True), ("0", False)])
+def test_the_huge_page_advice_is_given_unless_turned_off(setting, advised):
+    """The weights' memory is advised for huge pages (VmFlags "hg"), unless TR_ENGINE_HUGE_PAGES=0 (faster loads on
+    VMs whose huge pages cost ~15 ms each at first touch; the test suite runs so, conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "TR_ENGINE_HUGE_PAGES"}
+    if setting is not None:
+        env["TR_ENGINE_HUGE_PAGES"] = setting
+    proc = subprocess.run([sys.executable, "-c", ADVISED], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == [str(advised)], proc.stderr

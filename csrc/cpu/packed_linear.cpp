@@ -73,18 +73,32 @@ void check_dtype(const at::Tensor& t, const char* op, const char* name) {
 // (bench.ab, 24 dev questions, per-question median 1.053x); fp32, whose weights were mostly 2 MB or more, 1.003x.
 // A chunk is freed with the last weight in it; bigger weights (a 7B model's) get huge pages of their own. (The heap
 // pages that packing frees are handed back by tr_engine/model/weights.py.)
+//
+// TR_ENGINE_HUGE_PAGES=0 leaves the advice out (the chunks and their order stay, in ordinary pages). On a VM whose host
+// takes back the 2 MB pages its guest frees (virtio-balloon's free page reporting), every huge page costs ~15 ms at
+// its first touch, 25x as much as the same bytes in 4 KB pages: 540 MB took 4.1 s against 0.17 s on this project's
+// KVM hosts, and SmolLM2 loaded in 3.9-7.2 s instead of ~1.5 s. Worth it for a server or a long chat (the steps above);
+// not for a run of a few hundred tokens, nor for the test suite, which loads the default model dozens of times.
 constexpr size_t kHuge = size_t(2) << 20;
 constexpr size_t kChunk = size_t(64) << 20;
 constexpr size_t kPooledMax = kChunk / 8;
 
-// `bytes` rounded up to whole huge pages, 2 MB aligned and advised (where the system has THP), freed with the last
-// owner; nullptr when the allocation fails.
+bool advise_huge_pages() {
+  static const bool advise = [] {
+    const char* v = std::getenv("TR_ENGINE_HUGE_PAGES");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return advise;
+}
+
+// `bytes` rounded up to whole huge pages, 2 MB aligned and advised (where the system has THP, unless
+// TR_ENGINE_HUGE_PAGES=0), freed with the last owner; nullptr when the allocation fails.
 std::shared_ptr<char> huge_block(size_t bytes) {
   const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
   char* p = static_cast<char*>(std::aligned_alloc(kHuge, rounded));
   if (p == nullptr) return nullptr;
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  madvise(p, rounded, MADV_HUGEPAGE);  // advice: ignored where THP is off
+  if (advise_huge_pages()) madvise(p, rounded, MADV_HUGEPAGE);  // advice: ignored where THP is off
 #endif
   return std::shared_ptr<char>(p, [](char* q) { std::free(q); });
 }
