@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random Llama folders written on the spot, the default SmolLM2 model (fetched by `make test`
 before pytest runs, or here on first use), and Hugging Face `transformers` as the reference implementation."""
 
+import json
 import os
 import signal
 from typing import NamedTuple
@@ -12,13 +13,13 @@ from curves import pinned
 from weights_tools.tiny_llama import write_tiny_llama
 
 # `make test` runs one test worker per CPU (pytest-xdist): each worker, and each command it starts (OMP_NUM_THREADS),
-# runs on its share of the CPUs, so that two workers never fight over a core. The kernel tests run on two threads
-# whatever the share (cpu_tier), so that an op's work split between threads is always exercised.
+# runs on its share of the CPUs, so that two workers never fight over a core (and a command keys its cost curve by the
+# same thread count as the worker's engines: default_model_curve). The kernel tests run on two threads whatever the
+# share (cpu_tier), so that an op's work split between threads is always exercised.
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = min(2, max(1, CPUS // WORKERS))
-if WORKERS > 1:
-    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
 torch.set_num_threads(THREADS)
 # Weights in ordinary pages (csrc/cpu/packed_linear.cpp): on this project's VMs a huge page costs ~15 ms at its first
 # touch, 3-6 s of every load of the default model, and the suite loads it dozens of times. (Read by the op library at
@@ -165,7 +166,6 @@ def smollm2_dev_answers(request, tmp_path_factory) -> list[DevAnswer]:
     kernels and references and tensor parallelism to, decoded once a run (~20 s): the first worker to need them
     decodes them, under a lock, and the others read its file."""
     import fcntl
-    import json
     from pathlib import Path
 
     rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "dev_subset.jsonl").read_text().splitlines()]
@@ -180,6 +180,30 @@ def smollm2_dev_answers(request, tmp_path_factory) -> list[DevAnswer]:
             saved.write_text(json.dumps(answers))
         answers = json.loads(saved.read_text())
     return [DevAnswer(r["question_id"], r["turns"][0], 32, ids) for r, ids in zip(rows, answers)]
+
+
+@pytest.fixture(scope="session")
+def default_model_curve(smollm2_dir, tmp_path_factory):
+    """The default model's verify cost curve as its commands key it (float16 on a CPU, a worker's threads), in the
+    run's shared costs folder (private_home): measured once a run, by the first worker to need it, and kept even if
+    doubtful. Two busy workers make many measurements doubtful, and a doubtful curve is not cached, so each command of
+    the default model measured it again (15-25 s each). For the tests that run those commands with the adaptive tree;
+    test_default_model_names_paris checks that they find it."""
+    import fcntl
+
+    from tr_engine.core.cost import cost_path
+    from tr_engine.engine import Engine
+    from tr_engine.model.folders import home
+
+    shared = (tmp_path_factory.getbasetemp().parent if WORKERS > 1 else tmp_path_factory.getbasetemp())
+    done = shared / "default_model_curve.done"
+    with open(shared / "default_model_curve.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            cost = Engine.from_pretrained(str(smollm2_dir)).cost_model()
+            cost.save(cost_path(home(), cost.key))  # (again, or for the first time if it was doubtful)
+            done.write_text(json.dumps(cost.key))
+    return json.loads(done.read_text())
 
 
 @pytest.fixture(scope="session", params=["bfloat16", "float16"])

@@ -105,7 +105,7 @@ def test_interrupted_answer_is_kept_and_the_next_turn_works(tiny_engine):
 
 
 @pytest.mark.slow
-def test_piped_two_turn_conversation_remembers_the_first_turn(smollm2_default):
+def test_piped_two_turn_conversation_remembers_the_first_turn(smollm2_default, default_model_curve):
     proc = run_chat("--max-new-tokens", "30", "--no-persist", stdin="I live in Paris.\nWhich city do I live in?\n")
     assert proc.returncode == 0, proc.stderr
     answers = proc.stdout.strip().split("\n")
@@ -126,7 +126,7 @@ def test_piped_two_turn_conversation_remembers_the_first_turn(smollm2_default):
 
 
 @pytest.mark.slow
-def test_stats_command():
+def test_stats_command(default_model_curve):
     proc = run_chat("--max-new-tokens", "24", "--no-persist", "--quiet", stdin="Say hello.\n/stats\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() and "/stats" not in proc.stdout  # only the answer on stdout

@@ -119,9 +119,10 @@ def test_ops_reference_and_kernels_give_the_same_tokens(tiny_factory):
 
 
 @pytest.mark.slow
-def test_default_model_names_paris():
+def test_default_model_names_paris(default_model_curve):
     proc = run_cli("--prompt", "What is the capital of France?", "--max-new-tokens", "32", "--json")
     assert proc.returncode == 0, proc.stderr
+    assert "measuring this machine's verify cost" not in proc.stderr  # the curve the fixture measured, found by key
     out = json.loads(proc.stdout)
     assert "Paris" in out["text"]
     assert out["new_tokens"] == len(out["token_ids"]) > 0 and out["decode_s"] > 0

@@ -508,7 +508,7 @@ def test_a_full_queue_answers_503_and_sigterm_mid_stream_saves_the_matrix(tiny, 
 
 
 @pytest.mark.slow
-def test_smollm2_over_http_answers_as_the_engine_does(smollm2_dir, smollm2_default):
+def test_smollm2_over_http_answers_as_the_engine_does(smollm2_dir, smollm2_default, default_model_curve):
     smollm2 = smollm2_default  # the server's default dtype
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
                  "Explain recursion in one sentence."]
