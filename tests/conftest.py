@@ -44,6 +44,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def run_folder(tmp_path_factory):
+    """The folder of this test run that all its workers share (a worker's base folder is in it, beside the others')."""
+    return tmp_path_factory.getbasetemp().parent if WORKERS > 1 else tmp_path_factory.getbasetemp()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_home(tmp_path_factory):
     """The tests' own $TR_ENGINE_HOME (cost curves, matrices), still finding models in the real one. The workers of
@@ -52,8 +57,8 @@ def private_home(tmp_path_factory):
 
     os.environ.setdefault("TR_ENGINE_MODELS", str(home() / "models"))
     private = tmp_path_factory.mktemp("home")
-    if WORKERS > 1:  # (a worker's base folder is in the run's, beside the other workers')
-        shared = tmp_path_factory.getbasetemp().parent / "costs"
+    if WORKERS > 1:
+        shared = run_folder(tmp_path_factory) / "costs"
         shared.mkdir(exist_ok=True)
         (private / "costs").symlink_to(shared, target_is_directory=True)
     os.environ["TR_ENGINE_HOME"] = str(private)
@@ -170,7 +175,7 @@ def smollm2_dev_answers(request, tmp_path_factory) -> list[DevAnswer]:
 
     rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "dev_subset.jsonl").read_text().splitlines()]
     assert len(rows) == 6
-    shared = (tmp_path_factory.getbasetemp().parent if WORKERS > 1 else tmp_path_factory.getbasetemp())
+    shared = run_folder(tmp_path_factory)
     saved = shared / "smollm2_dev_answers.json"
     with open(shared / "smollm2_dev_answers.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -195,7 +200,7 @@ def default_model_curve(smollm2_dir, tmp_path_factory):
     from tr_engine.engine import Engine
     from tr_engine.model.folders import home
 
-    shared = (tmp_path_factory.getbasetemp().parent if WORKERS > 1 else tmp_path_factory.getbasetemp())
+    shared = run_folder(tmp_path_factory)
     done = shared / "default_model_curve.done"
     with open(shared / "default_model_curve.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
