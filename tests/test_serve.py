@@ -291,6 +291,8 @@ BAD = [  # path, body (or raw bytes), status, param
     ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": {"a": 1}, "content": "hi"}]}, 400, "messages[0].role"),  # (found
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0].role"),  # by fuzz)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("/v1/chat/completions", {"messages": messages("word " * 400)}, 400, "messages"),
     ("/v1/chat/completions", {"messages": messages("hi"), "max_tokens": 10**6}, 400, "messages"),

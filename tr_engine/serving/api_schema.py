@@ -167,7 +167,7 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or "role" not in m:
             raise APIError(400, f"{where} must be an object with a role and content", where)
         role = m["role"]
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # (a list or object is no role, and unhashable)
             raise APIError(400, f"{where}.role {_show(role)} is not supported; use system, user or assistant",
                            f"{where}.role")
         content = m.get("content")
