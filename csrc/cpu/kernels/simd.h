@@ -17,7 +17,7 @@
 #include <cstring>
 
 #if defined(TR_ENGINE_TIER_AVX512BF16) || defined(TR_ENGINE_TIER_AVX512) || defined(TR_ENGINE_TIER_AVX2)
-#include <immintrin.h>
+#include <immintrin.h>  // (first included by numbers.h, with GCC 12's false warnings silenced)
 #elif defined(TR_ENGINE_TIER_NEON)
 #include <arm_neon.h>
 #elif !defined(TR_ENGINE_TIER_SCALAR)
