@@ -91,8 +91,10 @@ def main(argv=None) -> int:
     leader = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # (--tp under torchrun: rank 0 alone serves HTTP)
     listener = listen(args.host, args.port) if leader else None  # and a port that is taken
     from tr_engine.serving.openai_api import Defaults, create_app  # imports torch and FastAPI: after the checks
+    from tr_engine.model.weights import one_malloc_arena
     from tr_engine.serving.scheduler import Scheduler
 
+    one_malloc_arena()  # (so that a large request's memory goes back: its docstring)
     engine = engine_from_args(args)
     save_to = load_matrix(args, engine)
     # The batch loop runs here, on the thread that loaded the model, and HTTP on a thread of its own: one OpenMP team
