@@ -1,8 +1,9 @@
 """Each custom op against its pure-PyTorch reference and the stock-PyTorch way of doing the same thing, side by side
 in one run, at a model's shapes (SmolLM2 by default; Vicuna-7B; tiny for a rehearsal), on the CPU or a GPU. Medians
 of repeated calls, timed in alternation; on a GPU every call is synchronised before the clock is read. Ratios are
-what to read (machines are noisy). Writes kernels_<device>[_<shape>][_<tier>].{json,md} (the CPU tier named when it is
-not the best this CPU runs: `--tier avx2` on an AVX-512 machine gives kernels_cpu_avx2).
+what to read (machines are noisy). Writes kernels_<device>[_<shape>][_<tier>].{json,md}: the CPU tier named unless it is
+avx512bf16, so that an AVX2 machine's run (or `--tier avx2` on an AVX-512 one) gives kernels_cpu_avx2 beside the
+AVX-512 host's kernels_cpu.
 
     python -m bench.kernels [--device cpu|cuda] [--shape smollm2|vicuna-7b|tiny] [--tier avx2] [--threads 2] [--reps 30]
 """
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
               "stream from memory as in a decode step or a verify: the case that matters. On a CPU the engine uses "
               "packed_linear for every dtype and row count; on a GPU, F.linear."]
     stem = "kernels_cpu" if args.device == "cpu" and args.shape == "smollm2" else f"kernels_{args.device}_{args.shape}"
-    if tier is not None and tier != cpu.runnable()[0].name:
+    if tier is not None and tier != "avx512bf16":
         stem += f"_{tier}"
     save_results(args.out / stem, "\n".join(lines) + "\n", {"shape": args.shape, "rows": rows}, info)
     print("\n".join(lines))
