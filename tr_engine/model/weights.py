@@ -305,11 +305,8 @@ def release_freed_memory() -> None:
     load grows the process by 1.02x the weights it holds, after loading and at its peak (1.10x before, 1.28x with
     the huge pages and no trim: bench.load_memory --shape smollm2). Nothing where the C library has no malloc_trim
     (not glibc)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return
-    trim(0)
+    if (trim := glibc("malloc_trim")) is not None:
+        trim(0)
 
 
 def one_malloc_arena() -> None:
@@ -320,8 +317,13 @@ def one_malloc_arena() -> None:
     server), none with one arena; no slower (AVX2 host: generate ar and hybrid, 3 alternating runs each; bench.serve
     hybrid at 4 and 16 clients, 2 each). Called by the server before it loads the model or starts a thread; nothing
     where the C library has no mallopt."""
+    if (mallopt := glibc("mallopt")) is not None:
+        mallopt(-8, 1)  # M_ARENA_MAX (malloc.h)
+
+
+def glibc(name: str):
+    """The C library's function `name` (glibc's malloc_trim, mallopt), or None where it has none."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        return getattr(ctypes.CDLL(None), name)
     except (AttributeError, OSError):
-        return
-    mallopt(-8, 1)  # M_ARENA_MAX (malloc.h)
+        return None
