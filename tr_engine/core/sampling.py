@@ -40,9 +40,11 @@ class Sampling:
     def __post_init__(self):
         # Any finite temperature above 0 works, however small: probabilities() divides logits already shifted to a
         # maximum of 0, which cannot overflow (a tiny temperature is greedy decoding, ties shared).
-        checks.real(self.temperature, "--temperature (0 is greedy)", 0.0)
+        # Kept as the checks return them: a float (an int temperature of 2**64 would not divide a tensor).
+        object.__setattr__(self, "temperature", checks.real(self.temperature, "--temperature (0 is greedy)", 0.0))
         checks.integer(self.top_k, "--top-k (0 keeps every token)", 0)
-        checks.real(self.top_p, "--top-p (1 keeps every token)", 0.0, 1.0, low_open=True)
+        object.__setattr__(self, "top_p", checks.real(self.top_p, "--top-p (1 keeps every token)", 0.0, 1.0,
+                                                      low_open=True))
 
     @property
     def greedy(self) -> bool:
