@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info, machine_line
-from tr_engine.cli.args import add_sampling_args, integer, sampling_from_args
+from tr_engine.cli.args import CalibrationNotice, add_sampling_args, integer, sampling_from_args
 from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.core.cost import CostModel
 from tr_engine.core.methods import methods
@@ -399,6 +399,8 @@ def main(argv=None) -> int:
     engine = Engine.from_pretrained(args.model, args.device, args.dtype, max_context=args.max_context, tree=args.tree,
                                     matrix_k=args.matrix_k, tp=args.tp)
     writes = engine.model.shard.rank == 0  # under --tp every rank decodes; rank 0 writes and prints
+    if writes:  # the adaptive methods measure the verify cost once, at their first step: say so, and say if not cached
+        engine.on_calibrate = CalibrationNotice()
     peer = None
     if any(m.startswith("hf-") for m in args.methods):
         peer = HFPeer(engine.folder, engine.model.dtype, engine.tokenizer.eos_ids)
