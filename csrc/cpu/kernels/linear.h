@@ -82,12 +82,12 @@ void store_tile(const Vec (&acc)[R][V], T* y, int64_t ldy, int c0, int valid) {
     }
 }
 
-// What one pass over a block asks the memory for. `lead`: the group's own lines kPrefetch bytes ahead (a block's
-// first pass, when no earlier pass asked for them). `ahead`, `bytes`: this pass's share of the next block (a multiple
-// of 64 bytes), spread evenly over the pass's groups. Without the shares a block of several passes was streamed by
+// What one pass asks the memory for. `lead`: the group's own lines kPrefetch bytes ahead (a block's first pass, when
+// no earlier pass asked for them). `ahead`, `bytes`: this pass's share of the next K-chunk (a multiple of 64 bytes;
+// packed_rows), spread evenly over the pass's groups. Without the shares a block of several passes was streamed by
 // its first pass alone, the memory idle while the others ran. SmolLM2's projections, float32, against one row's time
-// (medians of 4 alternated runs): AVX2 at 8 rows (4 passes of 4 rows by 16 outputs) 1.73x -> 1.45x with the shares
-// and over_groups' pairs; AVX-512 at 16 rows (2 passes of 8 rows) 1.79x -> 1.44x.
+// (medians of 4 alternated runs, when the shares were of the next whole block): AVX2 at 8 rows (4 passes of 4 rows
+// by 16 outputs) 1.73x -> 1.45x with the shares and over_groups' pairs; AVX-512 at 16 rows (2 passes) 1.79x -> 1.44x.
 struct Prefetch {
   bool lead = false;
   const char* ahead = nullptr;
@@ -130,16 +130,38 @@ inline void over_groups(int64_t groups, int64_t group_bytes, const char* wb, Pre
   }
 }
 
+// Where a pass's sums start and end when a block is covered a K-chunk at a time (packed_rows): `in`, the sums of
+// the chunks before (none: from zero), `out`, where they wait for the next chunk (none: the outputs y), both [rows,
+// kPackBlock] floats from the tile's first row. A sum stored as a float and loaded again is the same float, so each
+// output is still one chain of multiply-adds in the order of K, as in a single pass.
+struct Partial {
+  const float* in = nullptr;
+  float* out = nullptr;
+};
+
+template <int R, int V>
+void start_tile(Vec (&acc)[R][V], const Partial& part, int c0) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      acc[r][v] = part.in != nullptr ? load(part.in + r * kPackBlock + c0 + v * kLanes) : zero();
+}
+
+template <int R, int V, typename Y>
+void end_tile(const Vec (&acc)[R][V], const Partial& part, Y* y, int64_t ldy, int c0, int valid) {
+  if (part.out == nullptr) return store_tile<R, V>(acc, y, ldy, c0, valid);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) store(part.out + r * kPackBlock + c0 + v * kLanes, acc[r][v]);
+}
+
 // One pass over a block of float32 or float16 weights (P = 1: a group is the 32 outputs' weights of one input
 // column): outputs c0.. for R rows of x as floats. f16 weights are widened in registers (exact), then the same
 // multiply-adds as float32.
 template <int R, int V, typename W, typename Y>
 void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t groups, Y* y, int64_t ldy, int c0, int valid,
-             const Prefetch& plan) {
+             const Prefetch& plan, const Partial& part = {}) {
   Prefetcher prefetcher(plan, groups);
   Vec acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = zero();
+  start_tile<R, V>(acc, part, c0);
   over_groups(groups, kPackBlock * sizeof(W), reinterpret_cast<const char*>(wb), prefetcher, [&](int64_t k) {
     const W* group = wb + k * kPackBlock;
     Vec w[V];
@@ -149,7 +171,7 @@ void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t groups, Y* y, int
       for (int v = 0; v < V; ++v) acc[r][v] = mul_add(xb, w[v], acc[r][v]);
     }
   });
-  store_tile<R, V>(acc, y, ldy, c0, valid);
+  end_tile<R, V>(acc, part, y, ldy, c0, valid);
 }
 
 // One pass over a block of bf16 weights (P = 2: a group is the 32 outputs' pairs of weights of input columns 2k and
@@ -159,11 +181,10 @@ void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t groups, Y* y, int
 // shorten the chains of a one-row tile, but then the sum's order would depend on the tile: not row-independent.)
 template <int R, int V, typename Y>
 void pass_bf16(const float* xf, const bf16* xb, int64_t ldx, const bf16* wb, int64_t groups, Y* y, int64_t ldy,
-               int c0, int valid, const Prefetch& plan) {
+               int c0, int valid, const Prefetch& plan, const Partial& part = {}) {
   Prefetcher prefetcher(plan, groups);
   Vec acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = zero();
+  start_tile<R, V>(acc, part, c0);
   over_groups(groups, 2 * kPackBlock * sizeof(bf16), reinterpret_cast<const char*>(wb), prefetcher, [&](int64_t k) {
     const bf16* group = wb + k * 2 * kPackBlock;
     if constexpr (kBf16Dot) {
@@ -186,7 +207,7 @@ void pass_bf16(const float* xf, const bf16* xb, int64_t ldx, const bf16* wb, int
       }
     }
   });
-  store_tile<R, V>(acc, y, ldy, c0, valid);
+  end_tile<R, V>(acc, part, y, ldy, c0, valid);
 }
 
 // x's rows t0..t0+rows-1 as floats ([rows, ldx]), in a buffer the calling thread keeps: the passes that broadcast
@@ -212,56 +233,145 @@ void with_vecs(int vecs, F&& f) {
     f(std::integral_constant<int, kNarrowVecs>{});
 }
 
+// A block that takes several passes (more rows than one tile, or outputs than one pass) is covered a K-chunk at a
+// time: every pass over one chunk of the block's groups, then the next chunk, each pass's sums carried from chunk to
+// chunk as floats (Partial). The chunk, read from memory by its first pass, is still in L1 for the others; a whole
+// block (SmolLM2: 73-196 KB of float32) was not, and every later pass read it again from L2. bf16 weights without
+// the dot product, and f16, are widened into floats once per chunk (exact), into a buffer of the thread's, instead
+// of once per pass, and the passes run float32's: the same multiply-adds in the same order (a bf16 pair's even
+// column, then its odd one). All of SmolLM2's projections on an AVX2 host (AMD EPYC, 2 threads), against whole
+// blocks per pass, medians of alternated runs: float32 at 8 rows 31 -> 24 ms (1.37x -> 1.11x one row's time);
+// bf16 at 16 rows 42 -> 32 ms, at 32 rows 80 -> 60 ms.
+constexpr int64_t kChunkFloats = 4096;  // 16 KB: a chunk's weights as the passes read them (L1: 32-48 KB)
+// Rows of x past which bf16 pairs (without the dot product) and f16 are widened once per chunk. Below, the
+// widening's stores cost more than they save: AVX2, bf16, SmolLM2's projections, one chunk widened against each pass
+// widening its own: 1.3x slower at 2 rows, 1.15x at 3-4, as fast at 6, 1.1x faster at 8, 1.3x at 16-32.
+constexpr int kWidenRows = 4;
+
+// Whether multi-row passes read a chunk widened into floats (f16; bf16 without the dot product).
+template <typename T>
+constexpr bool widens() { return std::is_same_v<T, f16> || (std::is_same_v<T, bf16> && !kBf16Dot); }
+
+// The groups [0, groups) of a block of bf16 pairs or f16 weights, as floats in float32's layout (a group per input
+// column: a pair's even column, then its odd one).
+template <typename T>
+void widen(const T* w, int64_t groups, float* out) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    for (int64_t k = 0; k < groups; ++k)
+      for (int v = 0; v < kWideVecs; ++v) {
+        const Vec words = load_words(w + 2 * (k * kPackBlock + v * kLanes));
+        store(out + 2 * k * kPackBlock + v * kLanes, even(words));
+        store(out + (2 * k + 1) * kPackBlock + v * kLanes, odd(words));
+      }
+  } else {
+    for (int64_t i = 0; i < groups * kPackBlock; i += kLanes) store(out + i, load(w + i));
+  }
+}
+
+// One block's outputs for a chunk of `rows` rows of x in `tiles` tiles, V vectors per pass, a K-chunk at a time
+// (above); with `as_floats`, from the chunk widened into floats. `first`: the thread's first block, whose first pass
+// asks for its own lines (nothing asked for them before); `next_block`: the thread's next block (nullptr at its
+// last), whose first chunk this block's last chunk asks for, shared between its passes, as every chunk asks for the
+// next.
+template <int V, bool as_floats, typename T>
+void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int64_t groups, T* y, int64_t N,
+                     int64_t rows, int64_t tiles, int valid, bool first, const T* next_block) {
+  constexpr int64_t P = pack_width<T>();
+  constexpr bool pairs = std::is_same_v<T, bf16> && !kBf16Dot && !as_floats;  // widened in registers
+  constexpr int64_t group_bytes = kPackBlock * P * static_cast<int64_t>(sizeof(T));
+  const int64_t most = std::max<int64_t>(1, kChunkFloats / (kPackBlock * P));
+  const int64_t chunks = (groups + most - 1) / most, per_chunk = (groups + chunks - 1) / chunks;  // near-equal
+  const int64_t passes = (valid + V * kLanes - 1) / (V * kLanes) * tiles;
+  thread_local std::vector<float> sums, wide;
+  if (chunks > 1 && sums.size() < static_cast<size_t>(rows * kPackBlock)) sums.resize(rows * kPackBlock);
+  if (as_floats && wide.size() < static_cast<size_t>(per_chunk * kPackBlock * P)) wide.resize(per_chunk * kPackBlock * P);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t g0 = c * per_chunk, g1 = std::min(groups, g0 + per_chunk);
+    const T* wc = wb + g0 * kPackBlock * P;
+    const char* next = nullptr;  // the next chunk, this block's or the next block's first
+    int64_t next_bytes = 0;
+    if (g1 < groups) {
+      next = reinterpret_cast<const char*>(wb + g1 * kPackBlock * P);
+      next_bytes = (std::min(groups, g1 + per_chunk) - g1) * group_bytes;
+    } else if (next_block != nullptr) {
+      next = reinterpret_cast<const char*>(next_block);
+      next_bytes = std::min(groups, per_chunk) * group_bytes;
+    }
+    const int64_t share = (next_bytes / passes + 63) / 64 * 64;
+    if constexpr (as_floats) widen(wc, g1 - g0, wide.data());
+    int64_t pass = 0;
+    for (int c0 = 0; c0 < valid; c0 += V * kLanes)
+      for (int64_t g = 0, t = 0; g < tiles; ++g, ++pass) {
+        Prefetch plan;
+        plan.lead = first && c == 0 && pass == 0 && !as_floats;
+        if (next != nullptr && pass * share < next_bytes) {
+          plan.ahead = next + pass * share;
+          plan.bytes = std::min(share, next_bytes - pass * share);
+        }
+        const int r = static_cast<int>((rows - t) / (tiles - g));  // near-equal tiles
+        float* tile_sums = chunks > 1 ? sums.data() + t * kPackBlock : nullptr;
+        const Partial part{c > 0 ? tile_sums : nullptr, c + 1 < chunks ? tile_sums : nullptr};
+        T* yt = y + t * N;
+        with_rows<kPackRows>(r, [&](auto rows_constant) {
+          constexpr int R = decltype(rows_constant)::value;
+          if constexpr (V == kNarrowVecs || vecs_for(R, pairs ? 2 : 1, pairs ? 2 : 1) == kWideVecs) {
+            if constexpr (as_floats)
+              pass_p1<R, V>(xf + t * ldx + g0 * P, ldx, wide.data(), (g1 - g0) * P, yt, N, c0, valid, plan, part);
+            else if constexpr (std::is_same_v<T, bf16>)
+              pass_bf16<R, V>(xf ? xf + t * ldx + 2 * g0 : nullptr, x + t * ldx + 2 * g0, ldx, wc, g1 - g0, yt, N, c0,
+                              valid, plan, part);
+            else
+              pass_p1<R, V>(xf + t * ldx + g0, ldx, wc, g1 - g0, yt, N, c0, valid, plan, part);
+          }
+        });
+        t += r;
+      }
+  }
+}
+
 // Threads split the blocks of w (each block is 32 x K contiguous values, read once per chunk of rows from memory);
-// inside a block, the chunk's rows go in near-equal tiles of at most kPackRows, each pass over all the tiles in turn,
-// so that the pass's part of the block is still in L1 for the later tiles.
+// inside a block, the chunk's rows go in near-equal tiles of at most kPackRows. A block that one pass covers (a decode step's row, a few rows of float32) streams straight from
+// memory, its lines asked for ahead; any other is covered a K-chunk at a time (block_in_chunks).
 template <typename T>
 void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64_t groups, int64_t N) {
   const int64_t blocks = (N + kPackBlock - 1) / kPackBlock, block_size = groups * kPackBlock * pack_width<T>();
   constexpr bool bf16_pairs = std::is_same_v<T, bf16>;
   constexpr bool floats = !(bf16_pairs && kBf16Dot);  // whether the passes read x as floats
-  constexpr bool widened = bf16_pairs && !kBf16Dot;  // even and odd weights, two broadcasts (vecs_for)
   for (int64_t t0 = 0; t0 < rows; t0 += kRowChunk) {
     const int64_t chunk = std::min(kRowChunk, rows - t0);
     const float* xf = floats ? rows_as_float(x + t0 * ldx, ldx, chunk) : nullptr;
+    // bf16 pairs without the dot product are widened in registers (even and odd weights, two broadcasts: vecs_for)
+    // up to kWidenRows rows (one tile); more rows of them, and of f16, read a chunk widened into floats once.
+    const bool as_floats = widens<T>() && chunk > kWidenRows;
+    const bool pairs = bf16_pairs && !kBf16Dot && !as_floats;
     const int64_t tiles = (chunk + kPackRows - 1) / kPackRows;
-    const int vecs = vecs_for(static_cast<int>((chunk + tiles - 1) / tiles), widened ? 2 : 1, widened ? 2 : 1);
+    const int vecs = vecs_for(static_cast<int>((chunk + tiles - 1) / tiles), pairs ? 2 : 1, pairs ? 2 : 1);
     parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int valid = static_cast<int>(std::min(kPackBlock, N - b * kPackBlock));
         const T* wb = wp + b * block_size;
+        T* yb = y + t0 * N + b * kPackBlock;
+        const T* next_block = b + 1 < b1 ? wb + block_size : nullptr;
         with_vecs(vecs, [&](auto vecs_constant) {
           constexpr int V = decltype(vecs_constant)::value;
-          // Passes over this block; with several, each asks for an equal share of the next block of this thread's.
-          const int64_t passes = (valid + V * kLanes - 1) / (V * kLanes) * tiles;
-          const int64_t block_bytes = block_size * static_cast<int64_t>(sizeof(T));
-          const int64_t share = (block_bytes / passes + 63) / 64 * 64;
-          const char* next = passes > 1 && b + 1 < b1 ? reinterpret_cast<const char*>(wb + block_size) : nullptr;
-          int64_t pass = 0;
-          for (int c0 = 0; c0 < valid; c0 += V * kLanes)
-            for (int64_t g = 0, t = 0; g < tiles; ++g, ++pass) {
-              Prefetch plan;
-              // A block's own lines ahead: by every single-pass block (its stream runs on into the next block), and
-              // by the first pass of a thread's first block of several passes (which no earlier pass asked for).
-              plan.lead = pass == 0 && (passes == 1 || b == b0);
-              if (next != nullptr && pass * share < block_bytes) {
-                plan.ahead = next + pass * share;
-                plan.bytes = std::min(share, block_bytes - pass * share);
-              }
-              const int r = static_cast<int>((chunk - t) / (tiles - g));  // near-equal tiles
-              T* yt = y + (t0 + t) * N + b * kPackBlock;
-              with_rows<kPackRows>(r, [&](auto rows_constant) {
-                constexpr int R = decltype(rows_constant)::value;
-                if constexpr (V == kNarrowVecs || vecs_for(R, widened ? 2 : 1, widened ? 2 : 1) == kWideVecs) {
-                  if constexpr (bf16_pairs)
-                    pass_bf16<R, V>(xf ? xf + t * ldx : nullptr, x + (t0 + t) * ldx, ldx, wb, groups, yt, N, c0,
-                                    valid, plan);
-                  else
-                    pass_p1<R, V>(xf + t * ldx, ldx, wb, groups, yt, N, c0, valid, plan);
-                }
-              });
-              t += r;
+          if (as_floats)
+            return block_in_chunks<V, widens<T>()>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid,
+                                                   b == b0, next_block);
+          if ((valid + V * kLanes - 1) / (V * kLanes) * tiles > 1)
+            return block_in_chunks<V, false>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid, b == b0,
+                                             next_block);
+          Prefetch plan;
+          plan.lead = true;  // (its stream runs on into the next block)
+          with_rows<kPackRows>(static_cast<int>(chunk), [&](auto rows_constant) {
+            constexpr int R = decltype(rows_constant)::value;
+            if constexpr (V == kNarrowVecs || vecs_for(R, bf16_pairs && !kBf16Dot ? 2 : 1,
+                                                       bf16_pairs && !kBf16Dot ? 2 : 1) == kWideVecs) {
+              if constexpr (bf16_pairs)
+                pass_bf16<R, V>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, 0, valid, plan);
+              else
+                pass_p1<R, V>(xf, ldx, wb, groups, yb, N, 0, valid, plan);
             }
+          });
         });
       }
     });
