@@ -239,14 +239,16 @@ void with_vecs(int vecs, F&& f) {
 // block (SmolLM2: 73-196 KB of float32) was not, and every later pass read it again from L2. bf16 weights without
 // the dot product, and f16, are widened into floats once per chunk (exact), into a buffer of the thread's, instead
 // of once per pass, and the passes run float32's: the same multiply-adds in the same order (a bf16 pair's even
-// column, then its odd one). All of SmolLM2's projections on an AVX2 host (AMD EPYC, 2 threads), against whole
-// blocks per pass, medians of alternated runs: float32 at 8 rows 31 -> 24 ms (1.37x -> 1.11x one row's time);
-// bf16 at 16 rows 42 -> 32 ms, at 32 rows 80 -> 60 ms.
+// column, then its odd one), past kWidenRows rows. All of SmolLM2's projections on an AVX2 host (AMD EPYC, 2
+// threads), against whole blocks per pass, alternated in one process: float32 at 6 rows 26 -> 23 ms, 8 rows 30 ->
+// 23-24 ms (1.39x -> 1.06x one row's time), 12 rows 29 -> 27 ms, 16 rows and more as fast; bf16 at 16 rows 40 -> 35
+// ms, 32 rows 77 -> 63 ms.
 constexpr int64_t kChunkFloats = 4096;  // 16 KB: a chunk's weights as the passes read them (L1: 32-48 KB)
-// Rows of x past which bf16 pairs (without the dot product) and f16 are widened once per chunk. Below, the
-// widening's stores cost more than they save: AVX2, bf16, SmolLM2's projections, one chunk widened against each pass
-// widening its own: 1.3x slower at 2 rows, 1.15x at 3-4, as fast at 6, 1.1x faster at 8, 1.3x at 16-32.
-constexpr int kWidenRows = 4;
+// Rows of x past which bf16 pairs (without the dot product) and f16 are widened once per chunk; below, bf16 pairs are
+// widened in registers by every pass, a whole block at a time (in chunks they ran slower). Measured on AVX2,
+// SmolLM2's projections, alternated in one process: widening once per chunk against in registers 1.25x slower at 6
+// rows, 1.12x at 8, as fast at 12, 1.12x faster at 16, 1.2x at 32.
+constexpr int kWidenRows = 12;
 
 // Whether multi-row passes read a chunk widened into floats (f16; bf16 without the dot product).
 template <typename T>
@@ -279,12 +281,13 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
   constexpr int64_t P = pack_width<T>();
   constexpr bool pairs = std::is_same_v<T, bf16> && !kBf16Dot && !as_floats;  // widened in registers
   constexpr int64_t group_bytes = kPackBlock * P * static_cast<int64_t>(sizeof(T));
-  const int64_t most = std::max<int64_t>(1, kChunkFloats / (kPackBlock * P));
+  const int64_t most = pairs ? groups : std::max<int64_t>(1, kChunkFloats / (kPackBlock * P));  // (pairs: a block)
   const int64_t chunks = (groups + most - 1) / most, per_chunk = (groups + chunks - 1) / chunks;  // near-equal
   const int64_t passes = (valid + V * kLanes - 1) / (V * kLanes) * tiles;
   thread_local std::vector<float> sums, wide;
   if (chunks > 1 && sums.size() < static_cast<size_t>(rows * kPackBlock)) sums.resize(rows * kPackBlock);
-  if (as_floats && wide.size() < static_cast<size_t>(per_chunk * kPackBlock * P)) wide.resize(per_chunk * kPackBlock * P);
+  const int64_t wide_floats = as_floats ? per_chunk * kPackBlock * P : 0;
+  if (wide.size() < static_cast<size_t>(wide_floats)) wide.resize(wide_floats);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t g0 = c * per_chunk, g1 = std::min(groups, g0 + per_chunk);
     const T* wc = wb + g0 * kPackBlock * P;
@@ -330,8 +333,9 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
 }
 
 // Threads split the blocks of w (each block is 32 x K contiguous values, read once per chunk of rows from memory);
-// inside a block, the chunk's rows go in near-equal tiles of at most kPackRows. A block that one pass covers (a decode step's row, a few rows of float32) streams straight from
-// memory, its lines asked for ahead; any other is covered a K-chunk at a time (block_in_chunks).
+// inside a block, the chunk's rows go in near-equal tiles of at most kPackRows. A block that one pass covers (a
+// decode step's row, a few rows of float32) streams straight from memory, its lines asked for ahead; any other goes
+// through block_in_chunks (a K-chunk at a time; bf16 pairs widened in registers, a block at a time).
 template <typename T>
 void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64_t groups, int64_t N) {
   const int64_t blocks = (N + kPackBlock - 1) / kPackBlock, block_size = groups * kPackBlock * pack_width<T>();
@@ -341,7 +345,7 @@ void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64
     const int64_t chunk = std::min(kRowChunk, rows - t0);
     const float* xf = floats ? rows_as_float(x + t0 * ldx, ldx, chunk) : nullptr;
     // bf16 pairs without the dot product are widened in registers (even and odd weights, two broadcasts: vecs_for)
-    // up to kWidenRows rows (one tile); more rows of them, and of f16, read a chunk widened into floats once.
+    // up to kWidenRows rows; more rows of them, and of f16, read a chunk widened into floats once.
     const bool as_floats = widens<T>() && chunk > kWidenRows;
     const bool pairs = bf16_pairs && !kBf16Dot && !as_floats;
     const int64_t tiles = (chunk + kPackRows - 1) / kPackRows;
