@@ -270,6 +270,15 @@ void widen(const T* w, int64_t groups, float* out) {
   }
 }
 
+// n floats of `buffer` (grown as needed) from a cache line's start: a vector load from L1 that straddles two lines
+// costs two.
+inline float* cache_lines(std::vector<float>& buffer, int64_t n) {
+  constexpr int64_t line = 64 / sizeof(float);
+  if (static_cast<int64_t>(buffer.size()) < n + line) buffer.resize(n + line);
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + ((64 - address % 64) % 64) / sizeof(float);
+}
+
 // One block's outputs for a chunk of `rows` rows of x in `tiles` tiles, V vectors per pass, a K-chunk at a time
 // (above); with `as_floats`, from the chunk widened into floats. `first`: the thread's first block, whose first pass
 // asks for its own lines (nothing asked for them before); `next_block`: the thread's next block (nullptr at its
@@ -284,10 +293,9 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
   const int64_t most = pairs ? groups : std::max<int64_t>(1, kChunkFloats / (kPackBlock * P));  // (pairs: a block)
   const int64_t chunks = (groups + most - 1) / most, per_chunk = (groups + chunks - 1) / chunks;  // near-equal
   const int64_t passes = (valid + V * kLanes - 1) / (V * kLanes) * tiles;
-  thread_local std::vector<float> sums, wide;
-  if (chunks > 1 && sums.size() < static_cast<size_t>(rows * kPackBlock)) sums.resize(rows * kPackBlock);
-  const int64_t wide_floats = as_floats ? per_chunk * kPackBlock * P : 0;
-  if (wide.size() < static_cast<size_t>(wide_floats)) wide.resize(wide_floats);
+  thread_local std::vector<float> sums_buffer, wide_buffer;
+  float* const sums = chunks > 1 ? cache_lines(sums_buffer, rows * kPackBlock) : nullptr;
+  float* const wide = as_floats ? cache_lines(wide_buffer, per_chunk * kPackBlock * P) : nullptr;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t g0 = c * per_chunk, g1 = std::min(groups, g0 + per_chunk);
     const T* wc = wb + g0 * kPackBlock * P;
@@ -301,7 +309,7 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
       next_bytes = std::min(groups, per_chunk) * group_bytes;
     }
     const int64_t share = (next_bytes / passes + 63) / 64 * 64;
-    if constexpr (as_floats) widen(wc, g1 - g0, wide.data());
+    if constexpr (as_floats) widen(wc, g1 - g0, wide);
     int64_t pass = 0;
     for (int c0 = 0; c0 < valid; c0 += V * kLanes)
       for (int64_t g = 0, t = 0; g < tiles; ++g, ++pass) {
@@ -312,14 +320,14 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
           plan.bytes = std::min(share, next_bytes - pass * share);
         }
         const int r = static_cast<int>((rows - t) / (tiles - g));  // near-equal tiles
-        float* tile_sums = chunks > 1 ? sums.data() + t * kPackBlock : nullptr;
+        float* tile_sums = sums != nullptr ? sums + t * kPackBlock : nullptr;
         const Partial part{c > 0 ? tile_sums : nullptr, c + 1 < chunks ? tile_sums : nullptr};
         T* yt = y + t * N;
         with_rows<kPackRows>(r, [&](auto rows_constant) {
           constexpr int R = decltype(rows_constant)::value;
           if constexpr (V == kNarrowVecs || vecs_for(R, pairs ? 2 : 1, pairs ? 2 : 1) == kWideVecs) {
             if constexpr (as_floats)
-              pass_p1<R, V>(xf + t * ldx + g0 * P, ldx, wide.data(), (g1 - g0) * P, yt, N, c0, valid, plan, part);
+              pass_p1<R, V>(xf + t * ldx + g0 * P, ldx, wide, (g1 - g0) * P, yt, N, c0, valid, plan, part);
             else if constexpr (std::is_same_v<T, bf16>)
               pass_bf16<R, V>(xf ? xf + t * ldx + 2 * g0 : nullptr, x + t * ldx + 2 * g0, ldx, wc, g1 - g0, yt, N, c0,
                               valid, plan, part);
