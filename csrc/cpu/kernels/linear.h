@@ -130,38 +130,37 @@ inline void over_groups(int64_t groups, int64_t group_bytes, const char* wb, Pre
   }
 }
 
-// Where a pass's sums start and end when a block is covered a K-chunk at a time (packed_rows): `in`, the sums of
-// the chunks before (none: from zero), `out`, where they wait for the next chunk (none: the outputs y), both [rows,
-// kPackBlock] floats from the tile's first row. A sum stored as a float and loaded again is the same float, so each
-// output is still one chain of multiply-adds in the order of K, as in a single pass.
-struct Partial {
-  const float* in = nullptr;
-  float* out = nullptr;
-};
-
-template <int R, int V>
-void start_tile(Vec (&acc)[R][V], const Partial& part, int c0) {
+// A pass's sums when a block is covered a K-chunk at a time (block_in_chunks): with `carried`, the pass starts from
+// `sums` ([rows, kPackBlock] floats from the tile's first row: zeros before the first chunk) and leaves its sums there
+// (the block's outputs are written from them after the last chunk); without, from zeros, into y. A sum stored as a
+// float and loaded again is the same float, so each output is still one chain of multiply-adds in the order of K, as
+// in a single pass. (A template flag: chosen at run time in the pass, it made f16's passes at 16-24 rows, which fill
+// AVX2's registers, 1.2-1.4x slower.)
+template <bool carried, int R, int V>
+void start_tile(Vec (&acc)[R][V], const float* sums, int c0) {
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v)
-      acc[r][v] = part.in != nullptr ? load(part.in + r * kPackBlock + c0 + v * kLanes) : zero();
+    for (int v = 0; v < V; ++v) acc[r][v] = carried ? load(sums + r * kPackBlock + c0 + v * kLanes) : zero();
 }
 
-template <int R, int V, typename Y>
-void end_tile(const Vec (&acc)[R][V], const Partial& part, Y* y, int64_t ldy, int c0, int valid) {
-  if (part.out == nullptr) return store_tile<R, V>(acc, y, ldy, c0, valid);
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) store(part.out + r * kPackBlock + c0 + v * kLanes, acc[r][v]);
+template <bool carried, int R, int V, typename Y>
+void end_tile(const Vec (&acc)[R][V], float* sums, Y* y, int64_t ldy, int c0, int valid) {
+  if constexpr (carried) {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) store(sums + r * kPackBlock + c0 + v * kLanes, acc[r][v]);
+  } else {
+    store_tile<R, V>(acc, y, ldy, c0, valid);
+  }
 }
 
 // One pass over a block of float32 or float16 weights (P = 1: a group is the 32 outputs' weights of one input
 // column): outputs c0.. for R rows of x as floats. f16 weights are widened in registers (exact), then the same
 // multiply-adds as float32.
-template <int R, int V, typename W, typename Y>
+template <int R, int V, bool carried = false, typename W, typename Y>
 void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t groups, Y* y, int64_t ldy, int c0, int valid,
-             const Prefetch& plan, const Partial& part = {}) {
+             const Prefetch& plan, float* sums = nullptr) {
   Prefetcher prefetcher(plan, groups);
   Vec acc[R][V];
-  start_tile<R, V>(acc, part, c0);
+  start_tile<carried>(acc, sums, c0);
   over_groups(groups, kPackBlock * sizeof(W), reinterpret_cast<const char*>(wb), prefetcher, [&](int64_t k) {
     const W* group = wb + k * kPackBlock;
     Vec w[V];
@@ -171,7 +170,7 @@ void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t groups, Y* y, int
       for (int v = 0; v < V; ++v) acc[r][v] = mul_add(xb, w[v], acc[r][v]);
     }
   });
-  end_tile<R, V>(acc, part, y, ldy, c0, valid);
+  end_tile<carried>(acc, sums, y, ldy, c0, valid);
 }
 
 // One pass over a block of bf16 weights (P = 2: a group is the 32 outputs' pairs of weights of input columns 2k and
@@ -179,12 +178,12 @@ void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t groups, Y* y, int
 // one instruction. Elsewhere: each word widened to its even and odd weights (exact), then two multiply-adds into the
 // output's one accumulator, the even column first; x as floats. (Two accumulators per output, even and odd, would
 // shorten the chains of a one-row tile, but then the sum's order would depend on the tile: not row-independent.)
-template <int R, int V, typename Y>
+template <int R, int V, bool carried = false, typename Y>
 void pass_bf16(const float* xf, const bf16* xb, int64_t ldx, const bf16* wb, int64_t groups, Y* y, int64_t ldy,
-               int c0, int valid, const Prefetch& plan, const Partial& part = {}) {
+               int c0, int valid, const Prefetch& plan, float* sums = nullptr) {
   Prefetcher prefetcher(plan, groups);
   Vec acc[R][V];
-  start_tile<R, V>(acc, part, c0);
+  start_tile<carried>(acc, sums, c0);
   over_groups(groups, 2 * kPackBlock * sizeof(bf16), reinterpret_cast<const char*>(wb), prefetcher, [&](int64_t k) {
     const bf16* group = wb + k * 2 * kPackBlock;
     if constexpr (kBf16Dot) {
@@ -207,7 +206,7 @@ void pass_bf16(const float* xf, const bf16* xb, int64_t ldx, const bf16* wb, int
       }
     }
   });
-  end_tile<R, V>(acc, part, y, ldy, c0, valid);
+  end_tile<carried>(acc, sums, y, ldy, c0, valid);
 }
 
 // x's rows t0..t0+rows-1 as floats ([rows, ldx]), in a buffer the calling thread keeps: the passes that broadcast
@@ -233,41 +232,39 @@ void with_vecs(int vecs, F&& f) {
     f(std::integral_constant<int, kNarrowVecs>{});
 }
 
-// A block that takes several passes (more rows than one tile, or outputs than one pass) is covered a K-chunk at a
-// time: every pass over one chunk of the block's groups, then the next chunk, each pass's sums carried from chunk to
-// chunk as floats (Partial). The chunk, read from memory by its first pass, is still in L1 for the others; a whole
-// block (SmolLM2: 73-196 KB of float32) was not, and every later pass read it again from L2. bf16 weights without
-// the dot product, and f16, are widened into floats once per chunk (exact), into a buffer of the thread's, instead
-// of once per pass, and the passes run float32's: the same multiply-adds in the same order (a bf16 pair's even
-// column, then its odd one), past kWidenRows rows. All of SmolLM2's projections on an AVX2 host (AMD EPYC, 2
+// A block of float32 weights that takes several passes (more rows than one tile, or outputs than one pass) is
+// covered a K-chunk at a time: every pass over one chunk of the block's groups, then the next chunk, each pass's sums
+// carried from chunk to chunk as floats (start_tile). The chunk, read from memory by its first pass, is still in L1 for
+// the others; a whole block (SmolLM2: 73-196 KB of float32) was not, and every later pass read it again from L2.
+// bf16 weights without the dot product are widened into floats once per chunk (exact), into a buffer of the
+// thread's, instead of once per pass, past kWidenRows rows, and the passes run float32's: the same multiply-adds in
+// the same order (a pair's even column, then its odd one). Half-type weights otherwise go a whole block at a time,
+// widened in registers by each pass as before: half the bytes, and measured slower in chunks (f16 1.14x at 8-12 rows;
+// widened once per chunk 1.5x at 16; bf16 pairs 1.1x at 8), so f16, and bf16 with the dot product (not measured
+// here: no AVX512-BF16 on this host), keep their pass. All of SmolLM2's projections on an AVX2 host (AMD EPYC, 2
 // threads), against whole blocks per pass, alternated in one process: float32 at 6 rows 26 -> 23 ms, 8 rows 30 ->
 // 23-24 ms (1.39x -> 1.06x one row's time), 12 rows 29 -> 27 ms, 16 rows and more as fast; bf16 at 16 rows 40 -> 35
 // ms, 32 rows 77 -> 63 ms.
 constexpr int64_t kChunkFloats = 4096;  // 16 KB: a chunk's weights as the passes read them (L1: 32-48 KB)
-// Rows of x past which bf16 pairs (without the dot product) and f16 are widened once per chunk; below, bf16 pairs are
+// Rows of x past which bf16 pairs (without the dot product) are widened once per chunk; below, they are
 // widened in registers by every pass, a whole block at a time (in chunks they ran slower). Measured on AVX2,
 // SmolLM2's projections, alternated in one process: widening once per chunk against in registers 1.25x slower at 6
 // rows, 1.12x at 8, as fast at 12, 1.12x faster at 16, 1.2x at 32.
 constexpr int kWidenRows = 12;
 
-// Whether multi-row passes read a chunk widened into floats (f16; bf16 without the dot product).
+// Whether many rows' passes read a chunk widened into floats (bf16 without the dot product).
 template <typename T>
-constexpr bool widens() { return std::is_same_v<T, f16> || (std::is_same_v<T, bf16> && !kBf16Dot); }
+constexpr bool widens() { return std::is_same_v<T, bf16> && !kBf16Dot; }
 
-// The groups [0, groups) of a block of bf16 pairs or f16 weights, as floats in float32's layout (a group per input
-// column: a pair's even column, then its odd one).
-template <typename T>
-void widen(const T* w, int64_t groups, float* out) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    for (int64_t k = 0; k < groups; ++k)
-      for (int v = 0; v < kWideVecs; ++v) {
-        const Vec words = load_words(w + 2 * (k * kPackBlock + v * kLanes));
-        store(out + 2 * k * kPackBlock + v * kLanes, even(words));
-        store(out + (2 * k + 1) * kPackBlock + v * kLanes, odd(words));
-      }
-  } else {
-    for (int64_t i = 0; i < groups * kPackBlock; i += kLanes) store(out + i, load(w + i));
-  }
+// The groups [0, groups) of a block of bf16 pairs as floats in float32's layout (a group per input column: a pair's
+// even column, then its odd one).
+inline void widen(const bf16* w, int64_t groups, float* out) {
+  for (int64_t k = 0; k < groups; ++k)
+    for (int v = 0; v < kWideVecs; ++v) {
+      const Vec words = load_words(w + 2 * (k * kPackBlock + v * kLanes));
+      store(out + 2 * k * kPackBlock + v * kLanes, even(words));
+      store(out + (2 * k + 1) * kPackBlock + v * kLanes, odd(words));
+    }
 }
 
 // n floats of `buffer` (grown as needed) from a cache line's start: a vector load from L1 that straddles two lines
@@ -280,7 +277,8 @@ inline float* cache_lines(std::vector<float>& buffer, int64_t n) {
 }
 
 // One block's outputs for a chunk of `rows` rows of x in `tiles` tiles, V vectors per pass, a K-chunk at a time
-// (above); with `as_floats`, from the chunk widened into floats. `first`: the thread's first block, whose first pass
+// (above; half types but widened bf16: the whole block as one chunk); with `as_floats`, from the chunk widened into
+// floats. `first`: the thread's first block, whose first pass
 // asks for its own lines (nothing asked for them before); `next_block`: the thread's next block (nullptr at its
 // last), whose first chunk this block's last chunk asks for, shared between its passes, as every chunk asks for the
 // next.
@@ -289,13 +287,15 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
                      int64_t rows, int64_t tiles, int valid, bool first, const T* next_block) {
   constexpr int64_t P = pack_width<T>();
   constexpr bool pairs = std::is_same_v<T, bf16> && !kBf16Dot && !as_floats;  // widened in registers
+  constexpr bool chunked = as_floats || std::is_same_v<T, float>;  // (others: a whole block per chunk, as one pass)
   constexpr int64_t group_bytes = kPackBlock * P * static_cast<int64_t>(sizeof(T));
-  const int64_t most = pairs ? groups : std::max<int64_t>(1, kChunkFloats / (kPackBlock * P));  // (pairs: a block)
+  const int64_t most = chunked ? std::max<int64_t>(1, kChunkFloats / (kPackBlock * P)) : groups;
   const int64_t chunks = (groups + most - 1) / most, per_chunk = (groups + chunks - 1) / chunks;  // near-equal
   const int64_t passes = (valid + V * kLanes - 1) / (V * kLanes) * tiles;
   thread_local std::vector<float> sums_buffer, wide_buffer;
   float* const sums = chunks > 1 ? cache_lines(sums_buffer, rows * kPackBlock) : nullptr;
   float* const wide = as_floats ? cache_lines(wide_buffer, per_chunk * kPackBlock * P) : nullptr;
+  if (sums != nullptr) std::fill(sums, sums + rows * kPackBlock, 0.f);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t g0 = c * per_chunk, g1 = std::min(groups, g0 + per_chunk);
     const T* wc = wb + g0 * kPackBlock * P;
@@ -321,29 +321,44 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
         }
         const int r = static_cast<int>((rows - t) / (tiles - g));  // near-equal tiles
         float* tile_sums = sums != nullptr ? sums + t * kPackBlock : nullptr;
-        const Partial part{c > 0 ? tile_sums : nullptr, c + 1 < chunks ? tile_sums : nullptr};
         T* yt = y + t * N;
-        with_rows<kPackRows>(r, [&](auto rows_constant) {
+        const auto pass_on = [&](auto rows_constant, auto carried_constant) {
           constexpr int R = decltype(rows_constant)::value;
+          constexpr bool C = decltype(carried_constant)::value;
           if constexpr (V == kNarrowVecs || vecs_for(R, pairs ? 2 : 1, pairs ? 2 : 1) == kWideVecs) {
             if constexpr (as_floats)
-              pass_p1<R, V>(xf + t * ldx + g0 * P, ldx, wide, (g1 - g0) * P, yt, N, c0, valid, plan, part);
+              pass_p1<R, V, C>(xf + t * ldx + g0 * P, ldx, wide, (g1 - g0) * P, yt, N, c0, valid, plan, tile_sums);
             else if constexpr (std::is_same_v<T, bf16>)
-              pass_bf16<R, V>(xf ? xf + t * ldx + 2 * g0 : nullptr, x + t * ldx + 2 * g0, ldx, wc, g1 - g0, yt, N, c0,
-                              valid, plan, part);
+              pass_bf16<R, V, C>(xf ? xf + t * ldx + 2 * g0 : nullptr, x + t * ldx + 2 * g0, ldx, wc, g1 - g0, yt, N,
+                                 c0, valid, plan, tile_sums);
             else
-              pass_p1<R, V>(xf + t * ldx + g0, ldx, wc, g1 - g0, yt, N, c0, valid, plan, part);
+              pass_p1<R, V, C>(xf + t * ldx + g0, ldx, wc, g1 - g0, yt, N, c0, valid, plan, tile_sums);
           }
+        };
+        with_rows<kPackRows>(r, [&](auto rows_constant) {
+          if (sums != nullptr)
+            pass_on(rows_constant, std::true_type{});
+          else
+            pass_on(rows_constant, std::false_type{});
         });
         t += r;
       }
   }
+  if (sums != nullptr)  // the block's outputs, from the sums of its last chunk
+    for (int64_t r = 0; r < rows; ++r)
+      for (int col = 0; col < valid; col += kLanes) {
+        const Vec sum = load(sums + r * kPackBlock + col);
+        if (valid - col >= kLanes)
+          store(y + r * N + col, sum);
+        else
+          store_first(y + r * N + col, sum, valid - col);
+      }
 }
 
 // Threads split the blocks of w (each block is 32 x K contiguous values, read once per chunk of rows from memory);
 // inside a block, the chunk's rows go in near-equal tiles of at most kPackRows. A block that one pass covers (a
 // decode step's row, a few rows of float32) streams straight from memory, its lines asked for ahead; any other goes
-// through block_in_chunks (a K-chunk at a time; bf16 pairs widened in registers, a block at a time).
+// through block_in_chunks (float32, and bf16 widened into floats, a K-chunk at a time; other half types a block).
 template <typename T>
 void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64_t groups, int64_t N) {
   const int64_t blocks = (N + kPackBlock - 1) / kPackBlock, block_size = groups * kPackBlock * pack_width<T>();
@@ -353,7 +368,7 @@ void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64
     const int64_t chunk = std::min(kRowChunk, rows - t0);
     const float* xf = floats ? rows_as_float(x + t0 * ldx, ldx, chunk) : nullptr;
     // bf16 pairs without the dot product are widened in registers (even and odd weights, two broadcasts: vecs_for)
-    // up to kWidenRows rows; more rows of them, and of f16, read a chunk widened into floats once.
+    // up to kWidenRows rows; more rows of them read a chunk widened into floats once.
     const bool as_floats = widens<T>() && chunk > kWidenRows;
     const bool pairs = bf16_pairs && !kBf16Dot && !as_floats;
     const int64_t tiles = (chunk + kPackRows - 1) / kPackRows;
