@@ -287,7 +287,7 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
                      int64_t rows, int64_t tiles, int valid, bool first, const T* next_block) {
   constexpr int64_t P = pack_width<T>();
   constexpr bool pairs = std::is_same_v<T, bf16> && !kBf16Dot && !as_floats;  // widened in registers
-  constexpr bool chunked = as_floats || std::is_same_v<T, float>;  // (others: a whole block per chunk, as one pass)
+  constexpr bool chunked = as_floats || std::is_same_v<T, float>;  // (others: the whole block is one chunk)
   constexpr int64_t group_bytes = kPackBlock * P * static_cast<int64_t>(sizeof(T));
   const int64_t most = chunked ? std::max<int64_t>(1, kChunkFloats / (kPackBlock * P)) : groups;
   const int64_t chunks = (groups + most - 1) / most, per_chunk = (groups + chunks - 1) / chunks;  // near-equal
