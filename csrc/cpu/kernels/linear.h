@@ -51,6 +51,38 @@ constexpr int vecs_for(int R, int per_vec, int fixed) {
   return R * kWideVecs + per_vec * kWideVecs + fixed <= kRegisters ? kWideVecs : kNarrowVecs;
 }
 
+// ... of a tile of R rows, for float32, float16 and widened bf16 (one weight vector per vector of outputs, one
+// broadcast) or bf16 pairs widened in registers (`pairs`: even and odd weights, two broadcasts). Each tile of a
+// block takes its own: with AVX2 a last tile of 1-2 rows covers the whole block in one pass.
+constexpr int tile_vecs(int R, bool pairs) { return vecs_for(R, pairs ? 2 : 1, pairs ? 2 : 1); }
+
+// How a verify's rows are cut into tiles, where the block is covered a K-chunk at a time (block_in_chunks: float32,
+// widened bf16). With AVX2's 16 registers, full tiles of kPackRows (6) rows and the rest in the last: a tile of 6 rows
+// by 16 outputs has 12 accumulators, one of 4 rows (near-equal tiles of 8 rows) 8, too few chains to keep both
+// multiply-add units busy through the loads. All of SmolLM2's float32 projections and head, AMD EPYC (Zen 3) with 2
+// threads, against near-equal tiles, alternated in one process: 7 rows 0.92x the time, 8 rows 0.81x, 9 0.93x, 13-14
+// 0.87x; 10, 16 and 24 rows as fast. f16 and bf16 pairs (a whole block per pass, no K-chunks) keep near-equal tiles:
+// full ones measured mixed there (f16 0.9x at 7-8 rows, 1.04x at 9 and 13; a 6-row tile of bf16 pairs does not fit
+// the registers). Elsewhere (32 registers: 8-row tiles of 16 accumulators) near-equal tiles, not measured against.
+constexpr bool kFullTiles = kRegisters < 32;
+
+// The rows of tile g of `tiles` over `rows` rows of x, from row t on: `full` tiles of kPackRows rows, the rest in the
+// last, or near-equal tiles.
+inline int tile_rows(int64_t rows, int64_t tiles, int64_t t, int64_t g, bool full) {
+  return static_cast<int>(full ? std::min<int64_t>(kPackRows, rows - t) : (rows - t) / (tiles - g));
+}
+
+// The passes over a block of `valid` outputs for `rows` rows of x in `tiles` tiles.
+inline int64_t block_passes(int64_t rows, int64_t tiles, int valid, bool pairs, bool full) {
+  int64_t passes = 0;
+  for (int64_t g = 0, t = 0; g < tiles; ++g) {
+    const int r = tile_rows(rows, tiles, t, g, full), per_pass = tile_vecs(r, pairs) * kLanes;
+    passes += (valid + per_pass - 1) / per_pass;
+    t += r;
+  }
+  return passes;
+}
+
 // The prefetch distance: the hardware prefetchers alone left this stream short of the memory's bandwidth (each
 // matmul of a step is short: 0.7-3.5 MB for SmolLM2, split between the threads, and at 8 rows the multiply-adds keep
 // the core busy while the next lines are on their way). Measured with AVX-512 on whole SmolLM2 steps against no
@@ -130,6 +162,12 @@ inline void over_groups(int64_t groups, int64_t group_bytes, const char* wb, Pre
   }
 }
 
+// A pass is a function of its own, never inlined into its caller: its loop then gets the registers to itself, with
+// the prefetcher and the per-group step inlined into it. Inlined into block_in_chunks, beside the pass choice for
+// every tile's rows and vectors, GCC left Prefetcher::at a call inside the loop, each call sending the tile's
+// accumulators to the stack and back: bf16 verifies past 12 rows ran 2-2.5x slower.
+#define TR_ENGINE_PASS __attribute__((noinline))
+
 // A pass's sums when a block is covered a K-chunk at a time (block_in_chunks): with `carried`, the pass starts from
 // `sums` ([rows, kPackBlock] floats from the tile's first row: zeros before the first chunk) and leaves its sums there
 // (the block's outputs are written from them after the last chunk); without, from zeros, into y. A sum stored as a
@@ -156,8 +194,8 @@ void end_tile(const Vec (&acc)[R][V], float* sums, Y* y, int64_t ldy, int c0, in
 // column): outputs c0.. for R rows of x as floats. f16 weights are widened in registers (exact), then the same
 // multiply-adds as float32.
 template <int R, int V, bool carried = false, typename W, typename Y>
-void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t groups, Y* y, int64_t ldy, int c0, int valid,
-             const Prefetch& plan, float* sums = nullptr) {
+TR_ENGINE_PASS void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t groups, Y* y, int64_t ldy, int c0,
+                            int valid, const Prefetch& plan, float* sums = nullptr) {
   Prefetcher prefetcher(plan, groups);
   Vec acc[R][V];
   start_tile<carried>(acc, sums, c0);
@@ -179,8 +217,8 @@ void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t groups, Y* y, int
 // output's one accumulator, the even column first; x as floats. (Two accumulators per output, even and odd, would
 // shorten the chains of a one-row tile, but then the sum's order would depend on the tile: not row-independent.)
 template <int R, int V, bool carried = false, typename Y>
-void pass_bf16(const float* xf, const bf16* xb, int64_t ldx, const bf16* wb, int64_t groups, Y* y, int64_t ldy,
-               int c0, int valid, const Prefetch& plan, float* sums = nullptr) {
+TR_ENGINE_PASS void pass_bf16(const float* xf, const bf16* xb, int64_t ldx, const bf16* wb, int64_t groups, Y* y,
+                              int64_t ldy, int c0, int valid, const Prefetch& plan, float* sums = nullptr) {
   Prefetcher prefetcher(plan, groups);
   Vec acc[R][V];
   start_tile<carried>(acc, sums, c0);
@@ -221,15 +259,6 @@ const float* rows_as_float(const T* x, int64_t ldx, int64_t rows) {
     for (int64_t i = 0; i < rows * ldx; ++i) buffer[i] = to_float(x[i]);
     return buffer.data();
   }
-}
-
-// f(std::integral_constant<int, V>) for the vectors per pass V (kWideVecs or kNarrowVecs).
-template <typename F>
-void with_vecs(int vecs, F&& f) {
-  if (vecs == kWideVecs)
-    f(std::integral_constant<int, kWideVecs>{});
-  else
-    f(std::integral_constant<int, kNarrowVecs>{});
 }
 
 // A block of float32 weights that takes several passes (more rows than one tile, or outputs than one pass) is
@@ -276,22 +305,23 @@ inline float* cache_lines(std::vector<float>& buffer, int64_t n) {
   return buffer.data() + ((64 - address % 64) % 64) / sizeof(float);
 }
 
-// One block's outputs for a chunk of `rows` rows of x in `tiles` tiles, V vectors per pass, a K-chunk at a time
-// (above; half types but widened bf16: the whole block as one chunk); with `as_floats`, from the chunk widened into
-// floats. `first`: the thread's first block, whose first pass
-// asks for its own lines (nothing asked for them before); `next_block`: the thread's next block (nullptr at its
+// One block's outputs for a chunk of `rows` rows of x in `tiles` tiles (tile_rows; each tile's passes as wide as
+// tile_vecs says), a K-chunk at a time (above; half types but widened bf16: the whole block as one chunk); with
+// `as_floats`, from the chunk widened into floats. `first`: the thread's first block, whose first pass asks for its
+// own lines (nothing asked for them before); `next_block`: the thread's next block (nullptr at its
 // last), whose first chunk this block's last chunk asks for, shared between its passes, as every chunk asks for the
 // next.
-template <int V, bool as_floats, typename T>
+template <bool as_floats, typename T>
 void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int64_t groups, T* y, int64_t N,
                      int64_t rows, int64_t tiles, int valid, bool first, const T* next_block) {
   constexpr int64_t P = pack_width<T>();
   constexpr bool pairs = std::is_same_v<T, bf16> && !kBf16Dot && !as_floats;  // widened in registers
   constexpr bool chunked = as_floats || std::is_same_v<T, float>;  // (others: the whole block is one chunk)
+  constexpr bool full = chunked && kFullTiles;
   constexpr int64_t group_bytes = kPackBlock * P * static_cast<int64_t>(sizeof(T));
   const int64_t most = chunked ? std::max<int64_t>(1, kChunkFloats / (kPackBlock * P)) : groups;
   const int64_t chunks = (groups + most - 1) / most, per_chunk = (groups + chunks - 1) / chunks;  // near-equal
-  const int64_t passes = (valid + V * kLanes - 1) / (V * kLanes) * tiles;
+  const int64_t passes = block_passes(rows, tiles, valid, pairs, full);
   thread_local std::vector<float> sums_buffer, wide_buffer;
   float* const sums = chunks > 1 ? cache_lines(sums_buffer, rows * kPackBlock) : nullptr;
   float* const wide = as_floats ? cache_lines(wide_buffer, per_chunk * kPackBlock * P) : nullptr;
@@ -311,35 +341,36 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
     const int64_t share = (next_bytes / passes + 63) / 64 * 64;
     if constexpr (as_floats) widen(wc, g1 - g0, wide);
     int64_t pass = 0;
-    for (int c0 = 0; c0 < valid; c0 += V * kLanes)
-      for (int64_t g = 0, t = 0; g < tiles; ++g, ++pass) {
-        Prefetch plan;
-        plan.lead = first && c == 0 && pass == 0 && !as_floats;
-        if (next != nullptr && pass * share < next_bytes) {
-          plan.ahead = next + pass * share;
-          plan.bytes = std::min(share, next_bytes - pass * share);
-        }
-        const int r = static_cast<int>((rows - t) / (tiles - g));  // near-equal tiles
+    for (int c0 = 0; c0 < valid; c0 += kNarrowVecs * kLanes)
+      for (int64_t g = 0, t = 0; g < tiles; ++g) {
+        const int r = tile_rows(rows, tiles, t, g, full);
         float* tile_sums = sums != nullptr ? sums + t * kPackBlock : nullptr;
         T* yt = y + t * N;
-        const auto pass_on = [&](auto rows_constant, auto carried_constant) {
-          constexpr int R = decltype(rows_constant)::value;
-          constexpr bool C = decltype(carried_constant)::value;
-          if constexpr (V == kNarrowVecs || vecs_for(R, pairs ? 2 : 1, pairs ? 2 : 1) == kWideVecs) {
+        with_rows<kPackRows>(r, [&](auto rows_constant) {
+          constexpr int R = decltype(rows_constant)::value, V = tile_vecs(R, pairs);
+          if (c0 % (V * kLanes) != 0) return;  // (a tile of whole-block passes covered the block at c0 = 0)
+          Prefetch plan;
+          plan.lead = first && c == 0 && pass == 0 && !as_floats;
+          if (next != nullptr && pass * share < next_bytes) {
+            plan.ahead = next + pass * share;
+            plan.bytes = std::min(share, next_bytes - pass * share);
+          }
+          ++pass;
+          const auto pass_on = [&](auto carried_constant) {
+            constexpr bool C = decltype(carried_constant)::value;
             if constexpr (as_floats)
-              pass_p1<R, V, C>(xf + t * ldx + g0 * P, ldx, wide, (g1 - g0) * P, yt, N, c0, valid, plan, tile_sums);
+              pass_p1<R, V, C>(xf + t * ldx + g0 * P, ldx, wide, (g1 - g0) * P, yt, N, c0, valid, plan,
+                               tile_sums);
             else if constexpr (std::is_same_v<T, bf16>)
-              pass_bf16<R, V, C>(xf ? xf + t * ldx + 2 * g0 : nullptr, x + t * ldx + 2 * g0, ldx, wc, g1 - g0, yt, N,
-                                 c0, valid, plan, tile_sums);
+              pass_bf16<R, V, C>(xf ? xf + t * ldx + 2 * g0 : nullptr, x + t * ldx + 2 * g0, ldx, wc,
+                                 g1 - g0, yt, N, c0, valid, plan, tile_sums);
             else
               pass_p1<R, V, C>(xf + t * ldx + g0, ldx, wc, g1 - g0, yt, N, c0, valid, plan, tile_sums);
-          }
-        };
-        with_rows<kPackRows>(r, [&](auto rows_constant) {
+          };
           if (sums != nullptr)
-            pass_on(rows_constant, std::true_type{});
+            pass_on(std::true_type{});
           else
-            pass_on(rows_constant, std::false_type{});
+            pass_on(std::false_type{});
         });
         t += r;
       }
@@ -356,7 +387,7 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
 }
 
 // Threads split the blocks of w (each block is 32 x K contiguous values, read once per chunk of rows from memory);
-// inside a block, the chunk's rows go in near-equal tiles of at most kPackRows. A block that one pass covers (a
+// inside a block, the chunk's rows go in tiles of at most kPackRows (cut as kFullTiles says). A block that one pass covers (a
 // decode step's row, a few rows of float32) streams straight from memory, its lines asked for ahead; any other goes
 // through block_in_chunks (float32, and bf16 widened into floats, a K-chunk at a time; other half types a block).
 template <typename T>
@@ -372,33 +403,29 @@ void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64
     const bool as_floats = widens<T>() && chunk > kWidenRows;
     const bool pairs = bf16_pairs && !kBf16Dot && !as_floats;
     const int64_t tiles = (chunk + kPackRows - 1) / kPackRows;
-    const int vecs = vecs_for(static_cast<int>((chunk + tiles - 1) / tiles), pairs ? 2 : 1, pairs ? 2 : 1);
     parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int valid = static_cast<int>(std::min(kPackBlock, N - b * kPackBlock));
         const T* wb = wp + b * block_size;
         T* yb = y + t0 * N + b * kPackBlock;
         const T* next_block = b + 1 < b1 ? wb + block_size : nullptr;
-        with_vecs(vecs, [&](auto vecs_constant) {
-          constexpr int V = decltype(vecs_constant)::value;
-          if (as_floats)
-            return block_in_chunks<V, widens<T>()>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid,
-                                                   b == b0, next_block);
-          if ((valid + V * kLanes - 1) / (V * kLanes) * tiles > 1)
-            return block_in_chunks<V, false>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid, b == b0,
-                                             next_block);
-          Prefetch plan;
-          plan.lead = true;  // (its stream runs on into the next block)
-          with_rows<kPackRows>(static_cast<int>(chunk), [&](auto rows_constant) {
-            constexpr int R = decltype(rows_constant)::value;
-            if constexpr (V == kNarrowVecs || vecs_for(R, bf16_pairs && !kBf16Dot ? 2 : 1,
-                                                       bf16_pairs && !kBf16Dot ? 2 : 1) == kWideVecs) {
-              if constexpr (bf16_pairs)
-                pass_bf16<R, V>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, 0, valid, plan);
-              else
-                pass_p1<R, V>(xf, ldx, wb, groups, yb, N, 0, valid, plan);
-            }
-          });
+        if (as_floats) {
+          block_in_chunks<widens<T>()>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid, b == b0,
+                                       next_block);
+          continue;
+        }
+        if (block_passes(chunk, tiles, valid, pairs, kFullTiles && std::is_same_v<T, float>) > 1) {
+          block_in_chunks<false>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid, b == b0, next_block);
+          continue;
+        }
+        Prefetch plan;
+        plan.lead = true;  // (its stream runs on into the next block)
+        with_rows<kPackRows>(static_cast<int>(chunk), [&](auto rows_constant) {
+          constexpr int R = decltype(rows_constant)::value, V = tile_vecs(R, bf16_pairs && !kBf16Dot);
+          if constexpr (bf16_pairs)
+            pass_bf16<R, V>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, 0, valid, plan);
+          else
+            pass_p1<R, V>(xf, ldx, wb, groups, yb, N, 0, valid, plan);
         });
       }
     });
