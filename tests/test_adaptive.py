@@ -357,6 +357,21 @@ def test_sizes_too_dear_to_pay_are_not_timed_but_extrapolated(tiny, one_thread):
     assert fractions == sorted(fractions) and fractions[-1] == 1.0 and len(fractions) > 10  # the notice's progress
 
 
+def test_paired_timing_prices_each_size_against_the_plain_step_just_before_it(tiny, one_thread):
+    """A host slowing down 5% a forward, where every verify costs a plain step: timed in passes of all sizes after
+    one plain step, the last size seems 1.05^7 = 1.4x as dear; each right after a plain step of its own (how the
+    calibration times), every size is priced within one forward's drift."""
+    from tr_engine.core.cost import time_steps
+
+    tiny.set_max_positions(256)
+    timed = Timed(tiny, lambda T, call: 0.004 * 1.05**call, at_least=True)  # (the model's own time under it)
+    cache, sizes = KVCache(tiny.config, 256, torch.float64, "cpu"), (1, 2, 3, 4, 5, 6, 7, 8)
+    apart = time_steps(timed, cache, sizes, 64, reps=3, with_argmax=False)
+    paired = time_steps(timed, cache, sizes, 64, reps=3, with_argmax=False, paired=True)
+    assert apart[8] / apart[1] > 1.3
+    assert all(1.0 < paired[T] / paired[1] < 1.1 for T in sizes[1:]), paired
+
+
 def test_the_doubt_names_the_worst_inversion_not_the_first():
     """A spell of noise can put a 2-token verify a little under a 1-token one; a curve that has a 5-token verify at a
     quarter of a 4-token one is named by that, the inversion that matters."""

@@ -9,7 +9,9 @@ model, dtype, device, threads and ops, and measured again when any of those (or 
 compiled kernels) changes, or on `--recalibrate`.
 
 A "step" here is what the decode loop pays per forward: the forward itself plus the argmax over its logits and the
-host sync that reads them back.
+host sync that reads them back. Each verify size is timed right after a plain step and priced by the ratio of the
+two (the median over passes): a shared host's speed drifts by tens of percent within seconds, and curves priced by
+medians a pass apart came out 1.17x and 1.58x at 8 tokens on one machine (the later with the faster kernels).
 
 The measurement is bounded (MEASURE_BUDGET_S, under 20 s with a second try on a small model) and checked: sizes
 dearer than MAX_RELATIVE plain steps are not timed (no tree that big can pay; their cost is extrapolated), and a curve
@@ -49,13 +51,16 @@ MEASURE_CEILING_S = 20.0  # a second try only if the first took under half of th
 # timed passes, up to MEASURE_FLOOR_S of them at each prefix (a median of 3 there moves trees by whole levels).
 MEASURE_FLOOR_S = 0.5
 MAX_PASSES = 64
+# How a curve is measured, in the cache key: a curve cached by an earlier way of measuring is measured again.
+# (2: each size priced against the plain step just before it.)
+MEASURED = 2
 
 
 @torch.inference_mode()
 def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = True,
                top_k: int = 8, budget_s: float | None = None, warm_up: bool = True,
                max_relative: float | None = None, samples: dict | None = None, on_step=None,
-               floor_s: float | None = None) -> dict[int, float]:
+               floor_s: float | None = None, paired: bool = False) -> dict[int, float]:
     """Median seconds of one forward of T tokens (a breadth-first tree; T = 1 is a plain decode step, no mask) after
     `prefix` cached tokens, for every T in `sizes` (increasing), timed in alternation so that a noisy spell hits every
     size alike: `reps` passes over the sizes after a warm-up pass (unless `warm_up` is False: a second prefix, whose
@@ -66,6 +71,9 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     returned (judged in the warm-up pass at twice the limit, then in the first timed one). `samples`, if given, receives
     every timing of each size, and under "before" and "after" three more plain steps' timed just before and after the
     passes (a noisy spell shows as a difference); `on_step()` is called after each forward.
+    With `paired` (sizes[0] must be 1), every bigger size is timed right after a plain step of its own, and its time
+    comes back as the median of its ratios to that step, times the median plain step: a shared host's speed drifts
+    within seconds, and a ratio of neighbours cancels the drift that a ratio of medians, taken a pass apart, kept.
     With `with_argmax`, each timing includes the argmax over the logits and its host sync (what a decode step pays);
     under tensor parallelism a tree's includes instead the merge of its rows' top-`top_k` across the ranks (what a
     greedy verify step pays: tr_engine/core/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
@@ -103,6 +111,7 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
         return timed
 
     times = {T: [] for T in sizes}
+    ratios = {T: [] for T in sizes}  # (paired: each timing over its own plain step's)
     kept = list(sizes)
     start = None
     before = None
@@ -120,11 +129,18 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
         judging = max_relative is not None and n <= (1 if warm_up else 0)  # (a warm-up, with its first calls, more
         limit = None  # leniently, at twice the limit; then the first timed pass)
         for i, T in enumerate(list(kept)):
+            if paired and i > 0:
+                t0 = time.perf_counter()
+                step(1)
+                pair = time.perf_counter() - t0
             t0 = time.perf_counter()
             step(T)
             elapsed = time.perf_counter() - t0
             if not warm:
                 times[T].append(elapsed)
+                if paired and i > 0:
+                    times[1].append(pair)
+                    ratios[T].append(elapsed / pair)
             if judging and i == 0:
                 limit = max_relative * (2 if warm else 1) * (min(elapsed, yardstick) if warm else elapsed)
             elif judging and elapsed > limit:  # the first too dear one stays, the curve's edge; the rest go
@@ -140,6 +156,9 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     if samples is not None:
         samples.update({T: times[T] for T in kept}, before=before, after=plain_steps())
     cache.reset()
+    if paired:
+        plain = statistics.median(times[1])
+        return {T: plain * statistics.median(ratios[T]) if i > 0 else plain for i, T in enumerate(kept)}
     return {T: statistics.median(times[T]) for T in kept}
 
 
@@ -208,8 +227,8 @@ class CostModel:
         # second try goes on from where the first left it, over about as many forwards as the first took
         done, reported = 0, 0.0
         # this try's first forward, the fraction reported then, and the forwards it plans (the first try: a warm-up
-        # pass, the timed ones, three plain steps 4 times)
-        first, at_first, planned = 0, 0.0, len(sizes) * (1 + 2 * reps) + 12
+        # pass and the timed ones at each prefix, each size after a plain step of its own; three plain steps 4 times)
+        first, at_first, planned = 0, 0.0, (2 * len(sizes) - 1) * (1 + 2 * reps) + 12
 
         def on_step():
             nonlocal done, reported
@@ -225,7 +244,7 @@ class CostModel:
                 samples = {}
                 s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k, budget_s=budget_s / len(prefixes),
                                warm_up=i == 0, max_relative=MAX_RELATIVE, samples=samples, on_step=on_step,
-                               floor_s=MEASURE_FLOOR_S)
+                               floor_s=MEASURE_FLOOR_S, paired=True)
                 doubt = doubt or doubts(s, samples)
                 relative.append(envelope(s, sizes))
                 plain.append(s[1])
@@ -315,7 +334,7 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
     return {"model": model_name, "dtype": str(dtype).removeprefix("torch."), "device": where,
             "threads": torch.get_num_threads(), "ops": ops, "torch": torch.__version__,
             "build": kernels_build(cpu_tier) if "kernels" in ops else None, "cuda_graphs": cuda_graphs, "tp": tp,
-            "cpu_tier": cpu_tier}
+            "cpu_tier": cpu_tier, "measured": MEASURED}
 
 
 def kernels_build(cpu_tier: str | None = None) -> str:
