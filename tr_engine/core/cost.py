@@ -72,8 +72,11 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     every timing of each size, and under "before" and "after" three more plain steps' timed just before and after the
     passes (a noisy spell shows as a difference); `on_step()` is called after each forward.
     With `paired` (sizes[0] must be 1), every bigger size is timed right after a plain step of its own, and its time
-    comes back as the median of its ratios to that step, times the median plain step: a shared host's speed drifts
-    within seconds, and a ratio of neighbours cancels the drift that a ratio of medians, taken a pass apart, kept.
+    comes back as the median of its ratios to the plain steps around it (the median of the one before the size
+    before, its own and the next size's, or the one that ends the pass), times the median plain step: a shared
+    host's speed drifts within seconds, and a ratio of neighbours cancels the drift that a ratio of medians, taken a
+    pass apart, kept; the median of three keeps one plain step that a busy neighbour stretched from bending the curve
+    (a tiny model's steps take milliseconds, and a scheduler tick is a good part of one).
     With `with_argmax`, each timing includes the argmax over the logits and its host sync (what a decode step pays);
     under tensor parallelism a tree's includes instead the merge of its rows' top-`top_k` across the ranks (what a
     greedy verify step pays: tr_engine/core/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
@@ -111,7 +114,7 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
         return timed
 
     times = {T: [] for T in sizes}
-    ratios = {T: [] for T in sizes}  # (paired: each timing over its own plain step's)
+    ratios = {T: [] for T in sizes}  # (paired: each timing over the plain steps around it)
     kept = list(sizes)
     start = None
     before = None
@@ -128,6 +131,8 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
             start = time.perf_counter()
         judging = max_relative is not None and n <= (1 if warm_up else 0)  # (a warm-up, with its first calls, more
         limit = None  # leniently, at twice the limit; then the first timed pass)
+        plains, dear = [], []  # (paired: this pass's plain steps, the first, one before each size and one after the
+        # last; the sizes' timings)
         for i, T in enumerate(list(kept)):
             if paired and i > 0:
                 t0 = time.perf_counter()
@@ -138,14 +143,22 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
             elapsed = time.perf_counter() - t0
             if not warm:
                 times[T].append(elapsed)
-                if paired and i > 0:
-                    times[1].append(pair)
-                    ratios[T].append(elapsed / pair)
+                if paired:
+                    plains.append(elapsed if i == 0 else pair)
+                    if i > 0:
+                        times[1].append(pair)
+                        dear.append((T, elapsed))
             if judging and i == 0:
                 limit = max_relative * (2 if warm else 1) * (min(elapsed, yardstick) if warm else elapsed)
             elif judging and elapsed > limit:  # the first too dear one stays, the curve's edge; the rest go
                 kept = kept[:i + 1]
                 break
+        if dear:  # one more plain step, after the last size
+            t0 = time.perf_counter()
+            step(1)
+            plains.append(time.perf_counter() - t0)
+        for j, (T, elapsed) in enumerate(dear, 1):
+            ratios[T].append(elapsed / statistics.median(plains[j - 1:j + 2]))
         n += 1
         timed = n - (1 if warm_up else 0)
         spent = time.perf_counter() - start if start is not None else 0.0  # by the timed passes
@@ -228,7 +241,7 @@ class CostModel:
         done, reported = 0, 0.0
         # this try's first forward, the fraction reported then, and the forwards it plans (the first try: a warm-up
         # pass and the timed ones at each prefix, each size after a plain step of its own; three plain steps 4 times)
-        first, at_first, planned = 0, 0.0, (2 * len(sizes) - 1) * (1 + 2 * reps) + 12
+        first, at_first, planned = 0, 0.0, 2 * len(sizes) * (1 + 2 * reps) + 12
 
         def on_step():
             nonlocal done, reported
