@@ -230,8 +230,9 @@ class CostModel:
         clamped to what the biggest leaves (time_steps: `top_k` is the matrix's k; `reps` passes, fewer past
         `budget_s` of them in all; sizes dearer than MAX_RELATIVE plain steps left out and extrapolated). A doubtful
         curve (see `doubts`) is measured once more if that fits in MEASURE_CEILING_S; if it is still doubtful, it
-        comes back with its `doubt` set (use it, do not cache it). `progress(fraction)` is called as the forwards run. A
-        cache too small for a draft gets a curve of plain steps only."""
+        comes back with its `doubt` set (the reasons found at every prefix; use it, do not cache it).
+        `progress(fraction)` is called as the forwards run. A cache too small for a draft gets a curve of plain steps
+        only."""
         sizes = tuple(T for T in BUCKETS if T <= cache.capacity // 2)
         if len(sizes) < 2:
             return cls((1,), (0, 0), [[1.0], [1.0]], [0.0, 0.0], key)
@@ -252,15 +253,17 @@ class CostModel:
 
         start = time.perf_counter()
         for attempt in range(2):
-            relative, plain, doubt = [], [], None
+            relative, plain, reasons = [], [], []
             for i, prefix in enumerate(prefixes):
                 samples = {}
                 s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k, budget_s=budget_s / len(prefixes),
                                warm_up=i == 0, max_relative=MAX_RELATIVE, samples=samples, on_step=on_step,
                                floor_s=MEASURE_FLOOR_S, paired=True)
-                doubt = doubt or doubts(s, samples)
+                found = doubts(s, samples)  # (each prefix's reasons, each once: noise at one must not hide a drift
+                reasons += [r for r in (found.split("; ") if found else []) if r not in reasons]  # at the other)
                 relative.append(envelope(s, sizes))
                 plain.append(s[1])
+            doubt = "; ".join(reasons) or None
             if doubt is None or time.perf_counter() - start > MEASURE_CEILING_S / 2:
                 break
             first, at_first, planned = done, reported, done  # the second try's forwards, about the first's
