@@ -5,6 +5,7 @@ size; always the same tokens as plain decoding."""
 import pytest
 import torch
 from cli import assert_one_line_error, call_main
+from curves import pinned
 
 from tr_engine.core.speculative_config import REQUEST_KEYS, SpeculativeConfig
 from tr_engine.errors import UserError
@@ -60,8 +61,8 @@ def test_each_setting_does_what_it_says_and_the_tokens_stay_plain_decodings(tiny
     for p, w in zip(prompts, want):
         g = capped.generate(p, 40, ignore_eos=True).generation
         assert g.token_ids == w and max(g.verify_tokens) == 4  # (the 2.2.2 tree cut to 3 nodes and the root)
-    suffix = Engine.from_pretrained(folder, dtype="float64", max_context=512,
-                                    speculative_config='{"method": "suffix", "num_speculative_tokens": 5}')
+    suffix = pinned(Engine.from_pretrained(folder, dtype="float64", max_context=512,
+                                           speculative_config='{"method": "suffix", "num_speculative_tokens": 5}'))
     assert suffix.method == "hybrid" and suffix.drafting.suffix is not None
     assert suffix.drafting.suffix.capacity == (64 << 20) // 20  # (64 MB: suffix.BYTES_PER_TOKEN a token)
     for p, w in zip(prompts * 2, want * 2):  # (asked twice: the second time the index drafts)
@@ -70,8 +71,8 @@ def test_each_setting_does_what_it_says_and_the_tokens_stay_plain_decodings(tiny
     assert g.drafts.by_source["suffix"][1] > 0
     # above the batch size, plain steps: three requests decoding together the whole way never draft
     for above, drafts in ((2, False), (3, True)):
-        engine = Engine.from_pretrained(folder, dtype="float64", max_context=512, max_batch=3,
-                                        speculative_config={"disable_by_batch_size": above})
+        engine = pinned(Engine.from_pretrained(folder, dtype="float64", max_context=512, max_batch=3,
+                                               speculative_config={"disable_by_batch_size": above}))
         got = engine.generate_batch(prompts, 40, method="hybrid", ignore_eos=True)
         assert [r.token_ids for r in got] == want
         assert any(r.generation.drafts.drafted for r in got) == drafts, above
