@@ -18,16 +18,21 @@ def run_module(module: str, *args, stdin: str | bytes | None = None, env=None, t
 
 def call_main(main, *args, stdin: bytes = b"") -> SimpleNamespace:
     """A tool's main() in this process, as its __main__ runs it (tr_engine.cli.common.run), with `stdin` as its input;
-    returns returncode, stdout and stderr like run_module (no interpreter start: for the many-case tests)."""
+    returns returncode, stdout and stderr like run_module. No interpreter start (torch's import alone takes 2-3 s of
+    a core here): for the many-case tests and the ones about what a command prints, not about its process. torch's
+    thread count, which the tools set from --threads, is the worker's again after."""
+    import torch
+
     out, err = io.StringIO(), io.StringIO()
     stdin_stream = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
-    saved = sys.stdin
+    saved, threads = sys.stdin, torch.get_num_threads()
     sys.stdin = stdin_stream
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             status = run(main, list(args))
     finally:
         sys.stdin = saved
+        torch.set_num_threads(threads)
     return SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
 
 

@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli import assert_one_line_error, run_module
+from cli import assert_one_line_error, call_main, run_module
+
+
+def bench_main(module: str, *args):
+    """`python -m module args…` run in this process (call_main): the benchmarks whose tests read what they write, not
+    how their process ends; the ones that start servers, checkouts or other tiers (bench.serve, bench.ab,
+    bench.kernels) run in a subprocess."""
+    import importlib
+
+    return call_main(importlib.import_module(module).main, *args)
 
 
 def test_specbench_two_questions_two_methods(tiny_factory, tmp_path):
@@ -15,7 +24,7 @@ def test_specbench_two_questions_two_methods(tiny_factory, tmp_path):
         json.dumps({"question_id": 1, "category": "writing", "turns": ["Write a line about the sea."]}) + "\n"
         + json.dumps({"question_id": 2, "category": "qa", "turns": ["Who are you?", "And why?"]}) + "\n")
     out = tmp_path / "out"
-    proc = run_module("bench.specbench", "--model", str(tiny_factory("bench", dtype=torch.float64)), "--dtype",
+    proc = bench_main("bench.specbench", "--model", str(tiny_factory("bench", dtype=torch.float64)), "--dtype",
                       "float64", "--questions", str(questions), "--methods", "tr", "--max-new-tokens", "8",
                       "--warmup", "0", "--threads", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
@@ -38,16 +47,14 @@ def test_specbench_two_questions_two_methods(tiny_factory, tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_specbench_adaptive_methods_report_their_tree_sizes(tiny_factory, tmp_path):
-    import os
-
+def test_specbench_adaptive_methods_report_their_tree_sizes(tiny_factory, tmp_path, monkeypatch):
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "rag", "turns": ["a b c a b c a b c a b"]}) + "\n")
     out, home = tmp_path / "out", tmp_path / "home"
-    proc = run_module("bench.specbench", "--model", str(tiny_factory("bench", dtype=torch.float64)), "--dtype",
+    monkeypatch.setenv("TR_ENGINE_HOME", str(home))
+    proc = bench_main("bench.specbench", "--model", str(tiny_factory("bench", dtype=torch.float64)), "--dtype",
                       "float64", "--questions", str(questions), "--methods", "tr-adaptive", "hybrid", "hybrid-81",
-                      "--max-new-tokens", "12", "--warmup", "1", "--threads", "1", "--out", str(out),
-                      env={**os.environ, "TR_ENGINE_HOME": str(home)})
+                      "--max-new-tokens", "12", "--warmup", "1", "--threads", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in records] == ["ar", "tr-adaptive", "hybrid", "hybrid-81"]
@@ -76,7 +83,7 @@ def test_specbench_sampling_uses_one_seed_per_turn_for_every_method(tiny_factory
     args = ("bench.specbench", "--model", str(tiny_factory("bench", dtype=torch.float64)), "--dtype", "float64",
             "--questions", str(questions), "--methods", "tr", "pld", "--max-new-tokens", "10", "--warmup", "1",
             "--threads", "1", "--temperature", "0.9", "--top-p", "0.95", "--seed", "4")
-    proc = run_module(*args, "--out", str(out))
+    proc = bench_main(*args, "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert all(r["identical"] for r in records)  # float64, same draws: every method samples plain sampling's tokens
@@ -84,10 +91,10 @@ def test_specbench_sampling_uses_one_seed_per_turn_for_every_method(tiny_factory
     assert "sampled (temperature 0.9, top-p 0.95" in summary and "over our own plain sampling" in summary
     assert "geo-mean" in summary
     again = tmp_path / "again"
-    assert run_module(*args, "--out", str(again)).returncode == 0
+    assert bench_main(*args, "--out", str(again)).returncode == 0
     tokens = lambda d: [r["new_tokens"] for r in map(json.loads, (d / "results.jsonl").read_text().splitlines())]  # noqa: E731
     assert tokens(again) == tokens(out)  # seeded: the run repeats
-    refused = run_module(*args, "--methods", "hf-ar", "--out", str(tmp_path / "x"))
+    refused = bench_main(*args, "--methods", "hf-ar", "--out", str(tmp_path / "x"))
     assert refused.returncode == 2 and "greedy only" in refused.stderr
 
 
@@ -162,7 +169,7 @@ def test_batch_bench_on_a_tiny_model(tiny_factory, tmp_path):
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"Question {i}?"]}) + "\n"
                                  for i in range(3)))
-    proc = run_module("bench.batch", "--model", str(tiny_factory("bench-batch")), "--dtypes", "float32",
+    proc = bench_main("bench.batch", "--model", str(tiny_factory("bench-batch")), "--dtypes", "float32",
                       "--questions", "2", "--warmup", "1", "--questions-file", str(questions), "--max-new-tokens", "5",
                       "--threads", "1", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -175,7 +182,7 @@ def test_batch_bench_on_a_tiny_model(tiny_factory, tmp_path):
     warm = tmp_path / "w.jsonl"  # a file with warm-up rows of its own, a suffix index, two methods, three sizes
     warm.write_text(questions.read_text() + json.dumps({"question_id": "w", "category": "qa", "turns": ["Hello?"],
                                                         "warmup": True}) + "\n")
-    proc = run_module("bench.batch", "--model", str(tiny_factory("bench-batch")), "--dtypes", "float32",
+    proc = bench_main("bench.batch", "--model", str(tiny_factory("bench-batch")), "--dtypes", "float32",
                       "--questions", "3", "--questions-file", str(warm), "--max-new-tokens", "5", "--threads", "1",
                       "--methods", "ar", "hybrid", "--sizes", "1", "2", "4", "--suffix-index", "1", "--name", "mem",
                       "--out", str(tmp_path))
@@ -226,7 +233,7 @@ def test_serve_bench_and_its_soak_on_a_tiny_model(tiny_factory, tmp_path):
 def test_forward_cost_at_a_shape_stands_the_step_against_its_floor_and_projects(tmp_path):
     """--shape builds a random model in memory (the tiny stand-in here; vicuna-7b in bench/results), measures the
     read bandwidth in the same run, and projects MAT(T) / cost(T) from bench/results/tree_mat.json."""
-    proc = run_module("bench.forward_cost", "--shape", "tiny", "--reps", "1", "--prefixes", "64", "--threads", "1",
+    proc = bench_main("bench.forward_cost", "--shape", "tiny", "--reps", "1", "--prefixes", "64", "--threads", "1",
                       "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     got = json.loads((tmp_path / "forward_cost_tiny_bfloat16.json").read_text())
@@ -253,7 +260,7 @@ def test_tree_mat_measures_each_size_and_category_group(tiny_factory, tmp_path):
     """The harness behind bench/results/tree_mat.md on a tiny model: MAT by size for each method, pooled and by
     category group, every output checked against plain decoding (the run fails otherwise)."""
     folder = tiny_factory("long", max_positions=8192)  # (a RAG question is ~2400 of its tokens)
-    proc = run_module("bench.tree_mat", "--model", str(folder), "--dtype", "float32", "--per-group", "1",
+    proc = bench_main("bench.tree_mat", "--model", str(folder), "--dtype", "float32", "--per-group", "1",
                       "--max-new-tokens", "8", "--sizes", "4", "8", "--methods", "tr", "hybrid", "--threads", "1",
                       "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -263,7 +270,7 @@ def test_tree_mat_measures_each_size_and_category_group(tiny_factory, tmp_path):
         assert len(by_group) == 6  # one question of each category group
         assert all(mat >= 1.0 for by_T in by_group.values() for mat in by_T.values())
     assert "hybrid by category group" in (tmp_path / "tree_mat.md").read_text()
-    bad = run_module("bench.tree_mat", "--sizes", "9", "--out", str(tmp_path))
+    bad = bench_main("bench.tree_mat", "--sizes", "9", "--out", str(tmp_path))
     assert bad.returncode == 2 and "--sizes must be verify buckets" in bad.stderr
 
 
@@ -361,7 +368,7 @@ def test_peers_reads_llama_cpps_timings_and_sets_the_engines_side_by_side(tmp_pa
 
 def test_step_profile_breaks_both_paths_down_on_a_tiny_model(tiny_factory, tmp_path):
     folder = tiny_factory("profile", dtype=torch.bfloat16, vocab_size=300, std=0.5, max_positions=8192)
-    proc = run_module("bench.step_profile", "--model", str(folder), "--dtypes", "bfloat16", "--prefix", "32",
+    proc = bench_main("bench.step_profile", "--model", str(folder), "--dtypes", "bfloat16", "--prefix", "32",
                       "--reps", "3", "--rounds", "2", "--tokens", "6", "--threads", "1", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     got = json.loads((tmp_path / "step_profile.json").read_text())["results"]["bfloat16"]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from cli import assert_one_line_error, run_module
+from cli import assert_one_line_error, call_main, run_module
 
 from tr_engine.cli.chat import Session
 from tr_engine.engine import Engine
@@ -20,6 +20,14 @@ from tr_engine.engine import Engine
 
 def run_chat(*args, stdin="", env=None):
     return run_module("tr_engine.cli.chat", *args, stdin=stdin, env=env)
+
+
+def call_chat(*args, stdin=""):
+    """The chat's main() in this process, its stdin piped: for the tests of what it says (torch's import alone costs
+    2-3 s of a core a process); the tests of the real CLI (a terminal, Ctrl-C, exit, the default model) start one."""
+    from tr_engine.cli import chat
+
+    return call_main(chat.main, *args, stdin=stdin.encode())
 
 
 class Sink:
@@ -209,11 +217,11 @@ def test_ctrl_c_stops_the_answer_and_the_session_goes_on():
 
 
 def test_unknown_model_name():
-    assert_one_line_error(run_chat("--model", "no-such-model", "--prompt", "hi"), "unknown model", "vicuna-7b")
+    assert_one_line_error(call_chat("--model", "no-such-model", "--prompt", "hi"), "unknown model", "vicuna-7b")
 
 
 def test_missing_model_folder(tmp_path):
-    assert_one_line_error(run_chat("--model", str(tmp_path / "missing"), "--prompt", "hi"), "does not exist")
+    assert_one_line_error(call_chat("--model", str(tmp_path / "missing"), "--prompt", "hi"), "does not exist")
 
 
 def test_folder_without_weights(tiny_factory, tmp_path):
@@ -222,13 +230,13 @@ def test_folder_without_weights(tiny_factory, tmp_path):
     for f in tiny_factory("chat-noweights").iterdir():
         if not f.name.endswith(".safetensors") and not f.name.endswith(".json.index"):
             (folder / f.name).write_bytes(f.read_bytes())
-    assert_one_line_error(run_chat("--model", str(folder), "--prompt", "hi"), "no model.safetensors")
+    assert_one_line_error(call_chat("--model", str(folder), "--prompt", "hi"), "no model.safetensors")
 
 
 def test_corrupt_matrix_file_is_refused_and_left_alone(tiny_factory, tmp_path):
     bad = tmp_path / "matrix.pt"
     bad.write_bytes(b"not a matrix")
-    proc = run_chat("--model", str(tiny_factory("chat-matrix")), "--matrix", str(bad), "--prompt", "hi")
+    proc = call_chat("--model", str(tiny_factory("chat-matrix")), "--matrix", str(bad), "--prompt", "hi")
     assert_one_line_error(proc, "is not a recycling matrix file", "delete it")
     assert bad.read_bytes() == b"not a matrix"
 
@@ -237,7 +245,7 @@ def test_prompt_answers_once(tiny_factory, tmp_path):
     """--prompt: the answer to that one message, with the system prompt, as plain decoding gives it; then the chat
     exits and saves its matrix."""
     matrix, folder = tmp_path / "m.pt", str(tiny_factory("chat-once"))
-    proc = run_chat("--model", folder, "--prompt", "hi there", "--system", "be brief", "--max-new-tokens", "8",
+    proc = call_chat("--model", folder, "--prompt", "hi there", "--system", "be brief", "--max-new-tokens", "8",
                     "--matrix", str(matrix))
     assert proc.returncode == 0, proc.stderr
     conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -249,7 +257,7 @@ def test_a_refused_turn_is_reported_and_the_chat_goes_on(tiny_factory):
     """A turn too long for the context is one error line; the conversation does not keep it; the next line is answered;
     the exit status says a turn failed."""
     long_line = "word " * 200
-    proc = run_chat("--model", str(tiny_factory("chat-overflow")), "--max-context", "128", "--max-new-tokens", "4",
+    proc = call_chat("--model", str(tiny_factory("chat-overflow")), "--max-context", "128", "--max-new-tokens", "4",
                     "--no-persist", "--quiet", "--method", "ar", stdin=f"{long_line}\nhi\n")
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -257,13 +265,13 @@ def test_a_refused_turn_is_reported_and_the_chat_goes_on(tiny_factory):
     assert len(proc.stdout.splitlines()) == 1  # the second line's answer
 
 
-def test_sampled_chat_is_seeded_and_the_temperature_can_change(tiny_factory, tmp_path):
+def test_sampled_chat_is_seeded_and_the_temperature_can_change(tiny_factory, tmp_path, monkeypatch):
     folder = str(tiny_factory("chat", dtype=torch.float64, vocab_size=300))
-    env = {**os.environ, "TR_ENGINE_HOME": str(tmp_path)}
+    monkeypatch.setenv("TR_ENGINE_HOME", str(tmp_path))
     turns = "hello there\n/temperature 1.5\nwhat now\n/temperature hot\n/temperature 0\nbye\n"
     args = ("--model", folder, "--dtype", "float64", "--max-new-tokens", "12", "--no-persist", "--temperature", "0.8",
             "--top-p", "0.95", "--seed", "3")
-    runs = [run_chat(*args, "--method", m, stdin=turns, env=env) for m in ("tr", "ar", "hybrid")]
+    runs = [call_chat(*args, "--method", m, stdin=turns) for m in ("tr", "ar", "hybrid")]
     for proc in runs:
         assert proc.returncode == 0, proc.stderr
         assert "[temperature 1.5, top-p 0.95]" in proc.stderr and "[greedy]" in proc.stderr
@@ -271,6 +279,6 @@ def test_sampled_chat_is_seeded_and_the_temperature_can_change(tiny_factory, tmp
     assert runs[0].stdout == runs[1].stdout == runs[2].stdout  # same seed: the same answers, whatever the method
     notice = "measuring this machine's verify cost"
     assert runs[0].stderr.count(notice) == 1 and notice not in runs[2].stderr  # measured once, then cached
-    other = run_chat(*args[:-1], "4", stdin=turns, env=env)
+    other = call_chat(*args[:-1], "4", stdin=turns)
     assert other.stdout != runs[0].stdout
-    assert_one_line_error(run_chat(*args, "--top-p", "2", stdin="hi\n", env=env), "--top-p")
+    assert_one_line_error(call_chat(*args, "--top-p", "2", stdin="hi\n"), "--top-p")

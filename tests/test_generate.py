@@ -4,14 +4,18 @@ import json
 
 import pytest
 import torch
-from cli import assert_one_line_error, run_module
+from cli import assert_one_line_error, call_main, run_module
 
 from tr_engine.engine import Engine
 from tr_engine.errors import ContextOverflow, UserError
 
 
 def run_cli(*args):
-    return run_module("tr_engine.cli.generate", *args)
+    """The command in this process (its errors are what these tests read; the command-line tests of
+    test_hardening.py and the default model's below start real processes)."""
+    from tr_engine.cli import generate
+
+    return call_main(generate.main, *args)
 
 
 def test_missing_model_folder(tmp_path):
@@ -133,11 +137,11 @@ def test_one_op_swapped_by_the_ops_flag_gives_the_same_answer(tiny_factory):
     both agree to the last token."""
     folder = str(tiny_factory("float64", dtype=torch.float64))
     args = ["--model", folder, "--dtype", "float64", "--prompt", "hello there", "--max-new-tokens", "12", "--json"]
-    whole = run_module("tr_engine.cli.generate", *args)
-    swapped = run_module("tr_engine.cli.generate", *args, "--ops", "kernels,tree_attention=reference")
+    whole = run_cli(*args)
+    swapped = run_cli(*args, "--ops", "kernels,tree_attention=reference")
     assert whole.returncode == swapped.returncode == 0, swapped.stderr
     assert json.loads(whole.stdout)["token_ids"] == json.loads(swapped.stdout)["token_ids"]
-    bad = run_module("tr_engine.cli.generate", *args, "--ops", "kernels,attention=reference")
+    bad = run_cli(*args, "--ops", "kernels,attention=reference")
     assert bad.returncode == 2 and "--ops" in bad.stderr and bad.stderr.strip().count("\n") == 0
 
 
@@ -146,16 +150,16 @@ def test_prompts_file_answers_each_line_and_fails_a_bad_one_alone(tiny_factory, 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('hello there\n\n[{"role": "user", "content": "why?"}]\n[oops\nhello there\n')
     args = ["--model", folder, "--dtype", "float64", "--max-new-tokens", "6", "--method", "hybrid"]
-    proc = run_module("tr_engine.cli.generate", *args, "--prompts-file", str(prompts), "--batch", "2")
+    proc = run_cli(*args, "--prompts-file", str(prompts), "--batch", "2")
     assert proc.returncode == 2  # some requests failed; the others are answered
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [line["index"] for line in lines] == [0, 1, 2, 3, 4]
     assert "empty" in lines[1]["error"] and "not a JSON list of messages" in lines[3]["error"]
-    alone = json.loads(run_module("tr_engine.cli.generate", *args, "--prompt", "hello there", "--json").stdout)
+    alone = json.loads(run_cli(*args, "--prompt", "hello there", "--json").stdout)
     assert lines[0]["token_ids"] == lines[4]["token_ids"] == alone["token_ids"]
     assert len(lines[2]["token_ids"]) == 6
     assert proc.stderr.count("error: prompt") == 2
-    missing = run_module("tr_engine.cli.generate", *args, "--prompts-file", str(tmp_path / "none.txt"))
+    missing = run_cli(*args, "--prompts-file", str(tmp_path / "none.txt"))
     assert_one_line_error(missing, "none.txt does not exist")
-    both = run_module("tr_engine.cli.generate", *args, "--prompts-file", str(prompts), "--prompt", "hi")
+    both = run_cli(*args, "--prompts-file", str(prompts), "--prompt", "hi")
     assert both.returncode == 2 and "not allowed with" in both.stderr

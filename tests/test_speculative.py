@@ -342,16 +342,17 @@ def test_generate_command_methods_agree_and_matrix_round_trips(markov_folder, tm
     model, where drafting pays on any machine: tr's adaptive tree, priced by the curve measured here and its matrix
     empty at first, 1.7-2.8 tokens a step from run to run, prompt lookup 2.8), and tr saves its matrix."""
     import json
-    import subprocess
-    import sys
+
+    from cli import call_main
+
+    from tr_engine.cli import generate
 
     folder = str(markov_folder)
     matrix = tmp_path / "matrix.pt"
     outputs = {}
-    for method in ["ar", "tr", "pld"]:
-        proc = subprocess.run([sys.executable, "-m", "tr_engine.generate", "--model", folder, "--prompt",
-                               "hello hello hello", "--max-new-tokens", "48", "--method", method, "--json",
-                               "--matrix", str(matrix)], capture_output=True, text=True, timeout=300)
+    for method in ["ar", "tr", "pld"]:  # (the command's main() in this process, each run afresh)
+        proc = call_main(generate.main, "--model", folder, "--prompt", "hello hello hello", "--max-new-tokens", "48",
+                         "--method", method, "--json", "--matrix", str(matrix))
         assert proc.returncode == 0, proc.stderr
         outputs[method] = json.loads(proc.stdout)
     assert outputs["tr"]["token_ids"] == outputs["ar"]["token_ids"] == outputs["pld"]["token_ids"]

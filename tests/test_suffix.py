@@ -249,19 +249,18 @@ def test_hybrid_with_an_index_is_plain_decoding_and_drafts_earlier_answers(tiny_
 def test_the_index_is_saved_beside_the_matrix_and_loaded_with_it(tiny_factory, tmp_path):
     """--suffix-index MB: the command line's index is kept beside its --matrix file (hot start), and a hostile one is
     refused in one line, the run stopped before answering (exit 2)."""
-    import subprocess
-    import sys
+    from cli import call_main
 
+    from tr_engine.cli import generate
     from tr_engine.core.suffix import beside
 
     folder = str(tiny_factory("suffix", dtype=torch.float64, vocab_size=300))
     matrix = tmp_path / "m.pt"
-    command = [sys.executable, "-m", "tr_engine.generate", "--model", folder, "--prompt", "one two three four",
-               "--max-new-tokens", "24", "--method", "hybrid", "--suffix-index", "1", "--matrix", str(matrix),
-               "--json"]
+    command = ["--model", folder, "--prompt", "one two three four", "--max-new-tokens", "24", "--method", "hybrid",
+               "--suffix-index", "1", "--matrix", str(matrix), "--json"]
     runs = []
-    for _ in range(2):
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    for _ in range(2):  # (each run the command's main() afresh, in this process: its engine, loading the files)
+        proc = call_main(generate.main, *command)
         assert proc.returncode == 0, proc.stderr
         runs.append(json.loads(proc.stdout))
     assert runs[0]["token_ids"] == runs[1]["token_ids"]
@@ -272,5 +271,5 @@ def test_the_index_is_saved_beside_the_matrix_and_loaded_with_it(tiny_factory, t
     saved = torch.load(beside(matrix), weights_only=True)
     assert saved["requests"] == 2 and beside(matrix).name == "m.suffix.pt"
     torch.save({**saved, "tokens": torch.tensor([1, 5000], dtype=torch.int32)}, beside(matrix))
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    proc = call_main(generate.main, *command)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not a valid suffix index" in proc.stderr
