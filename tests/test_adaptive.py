@@ -372,15 +372,15 @@ def test_paired_timing_prices_each_size_against_the_plain_step_just_before_it(ti
 def test_the_doubt_names_the_worst_inversion_not_the_first():
     """A spell of noise can put a 2-token verify a little under a 1-token one; a curve that has a 5-token verify at a
     quarter of a 4-token one is named by that, the inversion that matters."""
-    from tr_engine.core.cost import doubts
+    from tr_engine.core.cost import distrust
 
     steady = {"before": [0.010] * 3, "after": [0.010] * 3}
     seconds = {1: 0.010, 2: 0.0070, 3: 0.011, 4: 0.040, 5: 0.010, 6: 0.041}
-    assert doubts(seconds, steady) == "a 5-token verify timed under a 4-token one"
-    assert doubts({1: 0.010, 2: 0.011, 3: 0.012}, steady) is None
+    assert distrust(seconds, steady) == ["a 5-token verify timed under a 4-token one"]
+    assert distrust({1: 0.010, 2: 0.011, 3: 0.012}, steady) == []
     busy = {"before": [0.010] * 3, "after": [0.030] * 3}  # both at once: both named (a busy CI host once hid the
-    assert doubts(seconds, busy) == ("a plain step took 3.0x as long after the measurement as before (was another "
-                                     "process busy?); a 5-token verify timed under a 4-token one")  # inversion)
+    assert distrust(seconds, busy) == ["a plain step took 3.0x as long after the measurement as before (was another "
+                                       "process busy?)", "a 5-token verify timed under a 4-token one"]  # inversion)
 
 
 @pytest.mark.parametrize("spell", ["busy", "inverted", "both"])

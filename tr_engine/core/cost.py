@@ -233,7 +233,7 @@ class CostModel:
         """Time the buckets that fit twice over in the cache (all of them from 256 slots up), after the PREFIXES
         clamped to what the biggest leaves (time_steps: `top_k` is the matrix's k; `reps` passes, fewer past
         `budget_s` of them in all; sizes dearer than MAX_RELATIVE plain steps left out and extrapolated). A doubtful
-        curve (see `doubts`) is measured once more if that fits in MEASURE_CEILING_S; if it is still doubtful, it
+        curve (see `distrust`) is measured once more if that fits in MEASURE_CEILING_S; if it is still doubtful, it
         comes back with its `doubt` set (the reasons found at every prefix; use it, do not cache it).
         `progress(fraction)` is called as the forwards run. A cache too small for a draft gets a curve of plain steps
         only."""
@@ -263,8 +263,8 @@ class CostModel:
                 s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k, budget_s=budget_s / len(prefixes),
                                warm_up=i == 0, max_relative=MAX_RELATIVE, samples=samples, on_step=on_step,
                                floor_s=MEASURE_FLOOR_S, paired=True)
-                found = doubts(s, samples)  # (each prefix's reasons, each once: noise at one must not hide a drift
-                reasons += [r for r in (found.split("; ") if found else []) if r not in reasons]  # at the other)
+                # (each prefix's reasons, each once: noise at one must not hide a drift at the other)
+                reasons += [r for r in distrust(s, samples) if r not in reasons]
                 noisy = noisy or drift(samples) is not None
                 timed.append(s)
                 relative.append(envelope(s, sizes))
@@ -323,11 +323,11 @@ def inversions(seconds: dict[int, float]) -> list[tuple[int, int]]:
     return found
 
 
-def doubts(seconds: dict[int, float], samples: dict) -> str | None:
-    """Why a measurement at one prefix (time_steps' medians and samples) is not to be trusted, or None: a drift of the
-    plain step from before the passes to after them, and/or a size timed well under a smaller one (the worst such
-    inversion: a spell of noise makes small ones too). Both are named when both hold: a busy spell does not hide a
-    curve no machine gives."""
+def distrust(seconds: dict[int, float], samples: dict) -> list[str]:
+    """Why a measurement at one prefix (time_steps' medians and samples) is not to be trusted, if it is not: a drift
+    of the plain step from before the passes to after them, and/or a size timed well under a smaller one (the worst
+    such inversion: a spell of noise makes small ones too). Both are named when both hold: a busy spell does not hide
+    a curve no machine gives."""
     reasons = []
     if (moved := drift(samples)) is not None:
         reasons.append(f"a plain step took {moved:.1f}x as long after the measurement as before (was another process "
@@ -335,7 +335,7 @@ def doubts(seconds: dict[int, float], samples: dict) -> str | None:
     if found := inversions(seconds):
         T, smaller = max(found, key=lambda pair: seconds[pair[1]] / seconds[pair[0]])
         reasons.append(f"a {T}-token verify timed under a {smaller}-token one")
-    return "; ".join(reasons) or None
+    return reasons
 
 
 def reproduced(first: list[dict[int, float]], second: list[dict[int, float]]) -> bool:
