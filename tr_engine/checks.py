@@ -78,9 +78,17 @@ def seed(value: int | None) -> int | None:
     return None if value is None else integer(value, "seed", 0, MAX_SEED)
 
 
-def generation(max_new_tokens, seed_value=None, **flags) -> None:
-    """The arguments every generate call takes: at least one new token, a seed (or None), and its flags (bools)."""
+def nth_seed(base: int | None, n: int) -> int | None:
+    """The seed of a batch's n-th prompt: base + n (wrapping past MAX_SEED), or None (each draws its own)."""
+    return None if base is None else (base + n) % (MAX_SEED + 1)
+
+
+def generation(max_new_tokens, seed_value=None, cancel=None, **flags) -> None:
+    """The arguments every generate call takes: at least one new token, a seed (or None), what cancels it (a
+    threading.Event, or None) and its flags (bools)."""
     integer(max_new_tokens, "max_new_tokens", 1)
     seed(seed_value)
+    if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "set")):
+        raise InvalidType(f"cancel must be a threading.Event, got {type(cancel).__name__}")
     for name, value in flags.items():
         flag(value, name)

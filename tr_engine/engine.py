@@ -15,13 +15,13 @@ from tr_engine import checks
 from tr_engine.core.batch import Request, batch_steps, speculative_steps
 from tr_engine.core.cost import BUCKETS, CostModel, cost_key
 from tr_engine.core.drafting import Drafting, seeder
-from tr_engine.core.generation import GenerateResult, failed, run_to_end
+from tr_engine.core.generation import GenerateResult, batch_results, run_to_end
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.methods import ADAPTIVE, AR, DEFAULT_METHOD, check_method
 from tr_engine.core.sampling import GREEDY, Sampler, Sampling, sampling_of
 from tr_engine.core.speculative_config import DEFAULT_SUFFIX_MB, SpeculativeConfig
 from tr_engine.core.suffix import SuffixIndex
-from tr_engine.errors import InvalidType, UserError
+from tr_engine.errors import InvalidType, or_error
 from tr_engine.model import cpu
 from tr_engine.model.device import check_cuda_graphs
 from tr_engine.model.folders import home
@@ -190,12 +190,8 @@ class Engine:
         """Like generate, yielding the answer's text as it is accepted (whole characters only); returns the
         GenerateResult (`result = yield from engine.stream(…)`, or StopIteration.value)."""
         sampling = sampling_of(sampling, temperature, top_k, top_p)
-        checks.generation(max_new_tokens, seed, seed_from_prompt=seed_from_prompt, reuse_cache=reuse_cache,
+        checks.generation(max_new_tokens, seed, cancel, seed_from_prompt=seed_from_prompt, reuse_cache=reuse_cache,
                           ignore_eos=ignore_eos)
-        if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "set")):
-            raise InvalidType(f"cancel must be a threading.Event, got {type(cancel).__name__}")
-        if method is not None:
-            check_method(method)
         ids = self.prompt_ids(prompt, chat_template)
         gen = yield from StreamDecoder(self.tokenizer, ids).texts(self.decode_steps(
             ids, max_new_tokens, method, seed_from_prompt, reuse_cache, drafter, sampling, seed, ignore_eos, cancel))
@@ -230,43 +226,29 @@ class Engine:
         method = check_method(method or self.method)
         if not isinstance(prompts, (list, tuple)):
             raise InvalidType(f"prompts must be a list of prompts, got {type(prompts).__name__}")
-        results: list[GenerateResult | None] = [None] * len(prompts)
-        requests, texts = [], {}  # (the requests that run; their prompts' ids and text so far)
-        for i, prompt in enumerate(prompts):
-            try:
-                ids = self.prompt_ids(prompt, chat_template)
-            except UserError as e:
-                results[i] = failed(f"prompt {i}: {e}")
-                continue
-            request_seed = None if seed is None else (seed + i) % (checks.MAX_SEED + 1)
-            requests.append(Request(i, ids, max_new_tokens, self.sampler(sampling, request_seed),
-                                    ignore_eos=ignore_eos))
-            texts[i] = ids, StreamDecoder(self.tokenizer, ids)
-        for event in self.batch_loop(requests, method, seed_from_prompt, batch_size):
-            i = event.request
-            if event.error is not None:
-                results[i] = failed(f"prompt {i}: {event.error}")
-                continue
-            if piece := texts[i][1].take(event.tokens, end=event.done is not None):
-                yield i, piece
-            if event.done is not None:
-                results[i] = GenerateResult.of(event.done, texts[i][0], self.tokenizer)
-        return results
+        ids = [or_error(self.prompt_ids, prompt, chat_template) for prompt in prompts]  # (or why it cannot run)
+        requests = [Request(i, p, max_new_tokens, self.sampler(sampling, checks.nth_seed(seed, i)),
+                            ignore_eos=ignore_eos) for i, p in enumerate(ids) if isinstance(p, list)]
+        return (yield from batch_results(self.tokenizer, ids, self.batch_loop(requests, method, seed_from_prompt,
+                                                                              batch_size)))
 
     def batch_loop(self, requests, method: str | None = None, seed_from_prompt: bool = False,
                    limit: int | None = None, reuse_prefix: bool = False):
         """The batch driver (tr_engine/core/batch.py's batch_steps) over `requests` (Requests, or a scheduler's source
         of them), in the engine's batch cache, drafting with `method`'s drafter (priced by this machine's curve):
         generate_batch and the server both decode through it."""
-        method = check_method(method or self.method)
-        drafter = None if method == AR else self.priced(self.drafter(method))
+        drafter = self.priced(method)
         cache = self.batch_cache()  # (then the batch's runner is set)
         return batch_steps(self.runners.batch_runner, cache, requests, drafter, self.tokenizer.eos_ids, self.ops,
                            limit, reuse_prefix, seeder(drafter, seed_from_prompt), self.plain_above)
 
-    def priced(self, drafter):
-        """The drafter, its adaptive tree priced by this machine's curve (measured at first use) unless pinned."""
-        return self.drafting.priced(drafter, self.cost_model)
+    def priced(self, method: str | None, drafter=None):
+        """The drafter a decode loop runs for `method` (default the engine's; `drafter` given: that one), its adaptive
+        tree priced by this machine's curve (measured at first use) unless pinned; None for plain decoding."""
+        method = drafter.name if drafter is not None else check_method(method or self.method)
+        if method == AR:  # (ar: no drafter, each step the root alone, through the same loop)
+            return None
+        return self.drafting.priced(drafter or self.drafter(method), self.cost_model)
 
     def batch_cache(self):
         """The batch's slots (max_batch of batch_context tokens), allocated at the first batch."""
@@ -277,12 +259,11 @@ class Engine:
                      sampling: Sampling = GREEDY, seed: int | None = None, ignore_eos: bool = False, cancel=None):
         """The decode loop for prompt token ids: yields each step's committed ids, returns the Generation."""
         sampler = self.sampler(sampling, seed)
-        method = drafter.name if drafter is not None else check_method(method or self.method)
-        # Refuse what cannot fit before measuring anything (the decode loops check the same again).
+        check_method(method or self.method)  # (an unknown method is named before a prompt too long)
+        # Refuse what cannot fit before measuring anything (the decode loops check the same again); then the drafter,
+        # whose curve, measured once, overwrites the cache: before anything is cached.
         self.cache.check_room(len(ids) + max_new_tokens, "the prompt plus --max-new-tokens", start=0)
-        if method != AR:  # (measuring the cost curve, once, overwrites the cache: before anything is cached)
-            drafter = self.priced(drafter or self.drafter(method))
-        # (ar: no drafter, each step the root alone, through the same loop)
+        drafter = self.priced(method, drafter)
         return (yield from speculative_steps(self.runners.runner, self.slot, ids, drafter, max_new_tokens,
                                              self.tokenizer.eos_ids, self.ops, seeder(drafter, seed_from_prompt),
                                              sampler, ignore_eos, cancel, reuse_prefix=reuse_cache))

@@ -52,3 +52,11 @@ class InvalidType(UserError, TypeError):
 
 class MatrixFileError(UserError):
     """A recycling-matrix file that cannot be loaded or saved. A failed save keeps the previous file."""
+
+
+def or_error(call, *args):
+    """call(*args), or the UserError it raised: for a batch whose items are refused one by one."""
+    try:
+        return call(*args)
+    except UserError as e:
+        return e

@@ -1,9 +1,11 @@
 """What a call generated: the driver's Generation (ids, finish reason, timings) and the API's GenerateResult (its
-text beside them), and run_to_end, which drives a decode generator without streaming."""
+text beside them); run_to_end, which drives a decode generator without streaming, and batch_results, which turns a
+batch's events into each prompt's text and result."""
 
 from dataclasses import dataclass, field
 
 from tr_engine.core.drafters import SOURCES, source_names
+from tr_engine.model.tokenizer import StreamDecoder
 
 
 @dataclass
@@ -142,3 +144,21 @@ def run_to_end(steps) -> Generation:
 def failed(error: str) -> GenerateResult:
     """The result of a batch's request that could not run."""
     return GenerateResult("", [], [], Generation([], "error", 0, 0.0, 0.0, 0), error=error)
+
+
+def batch_results(tokenizer, ids: list, events):
+    """Drive a batch's events (tr_engine/core/batch.py) for prompts whose token ids are `ids` (a prompt refused before
+    it ran: its UserError instead), yielding (prompt index, text piece) as tokens are accepted; return one
+    GenerateResult per prompt, in order (one that could not run: `error` set, no tokens)."""
+    results = [failed(f"prompt {i}: {p}") if isinstance(p, Exception) else None for i, p in enumerate(ids)]
+    texts = {i: StreamDecoder(tokenizer, p) for i, p in enumerate(ids) if results[i] is None}
+    for event in events:
+        i = event.request
+        if event.error is not None:
+            results[i] = failed(f"prompt {i}: {event.error}")
+            continue
+        if piece := texts[i].take(event.tokens, end=event.done is not None):
+            yield i, piece
+        if event.done is not None:
+            results[i] = GenerateResult.of(event.done, ids[i], tokenizer)
+    return results
