@@ -11,7 +11,7 @@ from curves import CPU_LIKE, FREE, LINEAR, curve
 from tr_engine.core.adaptive import DEPTHS, EDGES, AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, \
     confidence_bin
 from tr_engine.core.batch import speculative_generate
-from tr_engine.core.cost import BUCKETS, PREFIXES, CostModel, cost_key, cost_path
+from tr_engine.core.cost import BUCKETS, PREFIXES, PRIOR_PER_TOKEN, CostModel, cost_key, cost_path
 from tr_engine.core.decode import plain_generate
 from tr_engine.core.drafters import Hybrid, PromptLookup, TokenRecycling
 from tr_engine.core.matrix import RecyclingMatrix
@@ -405,15 +405,18 @@ def test_a_noisy_or_inverted_measurement_is_measured_again_and_not_cached(tiny, 
     assert "under a 4-token" in cm.doubt or spell == "busy", cm.doubt
     assert timed.calls.count(104) == 4  # each prefix prefilled twice: a second try
     assert fractions == sorted(fractions) and fractions[-1] == 1.0  # the notice climbs on through the second try
-    # Through the engine: the doubtful curve serves, the notice says why, and nothing is cached.
+    # Through the engine: the doubtful curve's fallback serves, the notice says why, and nothing is cached.
     monkeypatch.setenv("TR_ENGINE_HOME", str(tmp_path))
     monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *a, **k: cm))
     folder = tiny_factory("spec", dtype=torch.float64, vocab_size=300, std=0.5)  # (tiny's)
     engine = Engine.from_pretrained(str(folder), dtype="float64", max_context=256, ops="reference")
     heard = []
     engine.on_calibrate = lambda fraction, doubt: heard.append((fraction, doubt))
-    assert engine.cost_model() is cm and heard[0] == (0.0, None) and heard[-1] == (1.0, cm.doubt)
+    assert engine.cost_model() == cm.fallback() and heard[0] == (0.0, None) and heard[-1] == (1.0, cm.doubt)
     assert not list(tmp_path.glob("costs/*.json"))
+    fallback = engine.cost_model()  # (what the run drafts by: a middling CPU's shape, the doubt kept)
+    assert fallback.doubt == cm.doubt and fallback.buckets == cm.buckets and fallback.prefixes == cm.prefixes
+    assert fallback.cost(8, 0) == fallback.cost(8, 10_000) == pytest.approx(1 + 7 * PRIOR_PER_TOKEN)
 
 
 def test_an_inversion_timed_alike_twice_is_the_machines_and_cached(tiny, tmp_path, one_thread):

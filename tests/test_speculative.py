@@ -142,13 +142,21 @@ def test_the_default_drafters_draft_with_this_machines_cost_curve(markov_folder)
     """The same guard through the engine, whose adaptive tree is priced by the verify cost measured on this machine
     (tr_engine/core/cost.py): where almost every draft comes true, a tree pays on any machine that verifies T tokens for
     less than T plain steps, so the default method and TR draft. A curve that priced every tree out would pass every
-    losslessness test and fail this one."""
+    losslessness test and fail this one. One thread: while the other test worker is busy, two threads wait for each
+    other at every parallel op (measured so: a 2-token verify at 10 plain steps, where no tree pays). A busy spell
+    can still time a curve dear that an idle machine would not: measured again, three times at most. Tokens a step:
+    2.9-3.3 idle here, 1.97 under two CPU hogs (smaller trees, still drafting), 1.0 from a curve that drafts nothing."""
     from tr_engine.engine import Engine
 
-    engine = Engine.from_pretrained(str(markov_folder), dtype="float64")
-    for method in ("hybrid", "tr", "pld"):
-        runs = [engine.generate(prompt, 64, method=method).generation for prompt in ("hello there", "tell me a story")]
-        assert mean_accepted(runs) > 2.0, method
+    engine = Engine.from_pretrained(str(markov_folder), dtype="float64", threads=1)
+    for attempt in range(3):
+        engine.cost_model(recalibrate=attempt > 0)
+        mat = {method: mean_accepted([engine.generate(prompt, 64, method=method).generation
+                                      for prompt in ("hello there", "tell me a story")])
+               for method in ("hybrid", "tr", "pld")}
+        if min(mat.values()) > 1.5:
+            break
+    assert min(mat.values()) > 1.5, (mat, engine.cost_model())
 
 
 @pytest.mark.parametrize("kind", ["tr", "tr-adaptive", "hybrid", "pld"])

@@ -197,7 +197,8 @@ class CalibrationNotice:
             if self.terminal:
                 print(f"\r{self.TEXT} done in {time.monotonic() - self.start:.0f} s", file=sys.stderr, flush=True)
             if doubt is not None:
-                print(f"note: the verify cost was not cached ({doubt}); the next run measures it again",
+                print(f"note: the verify cost was not cached ({doubt}); this run prices its trees by a default curve "
+                      "and the next run measures again",
                       file=sys.stderr, flush=True)
         self.shown = percent
 

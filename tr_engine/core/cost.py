@@ -55,6 +55,10 @@ MEASURE_CEILING_S = 20.0  # a second try only if the first took under half of th
 # timed passes, up to MEASURE_FLOOR_S of them at each prefix (a median of 3 there moves trees by whole levels).
 MEASURE_FLOOR_S = 0.5
 MAX_PASSES = 64
+# What a run prices its trees by when its measurement stayed doubtful (CostModel.fallback): each verified token beyond
+# the root at this share of a plain step. The curves measured on this project's CPUs cost 8 tokens 1.3-2.2 plain steps
+# and 16 tokens 1.6-4.1 (fp32 cheapest, the half types on AVX2 dearest); this prices them 1.84 and 2.8.
+PRIOR_PER_TOKEN = 0.12
 # How a curve is measured, in the cache key: a curve cached by an earlier way of measuring is measured again.
 # (2: each size priced against the plain step just before it.)
 MEASURED = 2
@@ -227,6 +231,14 @@ class CostModel:
         buckets = tuple(T for T in BUCKETS if T <= max_tokens)
         return cls(buckets, PREFIXES, [[1.0] * len(buckets)] * 2, [0.0, 0.0], {"flat": max_tokens})
 
+    def fallback(self) -> "CostModel":
+        """A doubtful curve's stand-in for the run that measured it (calibrated): the same sizes and prefixes, each
+        verify priced at 1 + PRIOR_PER_TOKEN plain steps a token beyond the root, the doubt kept (never cached). A curve
+        timed through a busy spell can be anything (a plain step 37x slower after it than before: 6 tokens at 11
+        plain steps, every tree priced out), so the run drafts by a middling guess and the next run measures again."""
+        rel = [1.0 + PRIOR_PER_TOKEN * (T - 1) for T in self.buckets]
+        return CostModel(self.buckets, self.prefixes, [rel] * len(self.prefixes), self.plain_s, self.key, self.doubt)
+
     @classmethod
     def measure(cls, model, cache, key: dict, reps: int = 3, top_k: int = 8, budget_s: float = MEASURE_BUDGET_S,
                 progress=None) -> "CostModel":
@@ -234,7 +246,7 @@ class CostModel:
         clamped to what the biggest leaves (time_steps: `top_k` is the matrix's k; `reps` passes, fewer past
         `budget_s` of them in all; sizes dearer than MAX_RELATIVE plain steps left out and extrapolated). A doubtful
         curve (see `distrust`) is measured once more if that fits in MEASURE_CEILING_S; if it is still doubtful, it
-        comes back with its `doubt` set (the reasons found at every prefix; use it, do not cache it).
+        comes back with its `doubt` set (the reasons found at every prefix; calibrated does not cache it).
         `progress(fraction)` is called as the forwards run. A cache too small for a draft gets a curve of plain steps
         only."""
         sizes = tuple(T for T in BUCKETS if T <= cache.capacity // 2)
@@ -417,9 +429,10 @@ def cost_path(home: Path, key: dict) -> Path:
 def calibrated(model, cache, key: dict, path: Path, shard, top_k: int, notify=None,
                again: bool = False) -> tuple[CostModel, bool]:
     """The curve for `key` and whether it was measured now: loaded from `path`, or (`again`, or none saved) measured
-    with `model` in `cache` (overwriting it) and saved there unless doubtful. Under tensor parallelism every rank
-    measures together and rank 0's curve is kept. `notify(fraction, doubt)` hears a measurement: 0.0, fractions,
-    then 1.0 with its doubt."""
+    with `model` in `cache` (overwriting it) and saved there; a measurement still doubtful after its second try is
+    not saved, and the run prices its trees by its fallback. Under tensor parallelism every rank measures together
+    and rank 0's curve is kept. `notify(fraction, doubt)` hears a measurement: 0.0, fractions, then 1.0 with its
+    doubt."""
     cost = None if again else CostModel.load(path, key)
     measure = shard.from_rank0(cost is None)
     if measure:
@@ -432,4 +445,6 @@ def calibrated(model, cache, key: dict, path: Path, shard, top_k: int, notify=No
                 cost.save(path)
         except OSError:
             pass  # a read-only home: measure again next time
+        if cost.doubt is not None:
+            cost = cost.fallback()
     return shard.from_rank0(cost), measure
