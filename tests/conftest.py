@@ -191,9 +191,10 @@ def smollm2_dev_answers(request, tmp_path_factory) -> list[DevAnswer]:
 def default_model_curve(smollm2_dir, tmp_path_factory):
     """The default model's verify cost curve as its commands key it (float16 on a CPU, a worker's threads), in the
     run's shared costs folder (private_home): measured once a run, by the first worker to need it, and kept even if
-    doubtful (then its fallback, the curve that run drafted by). Two busy workers make many measurements doubtful, and a doubtful curve is not cached, so each command of
-    the default model measured it again (15-25 s each). For the tests that run those commands with the adaptive tree;
-    test_default_model_names_paris checks that they find it."""
+    doubtful (then its fallback, the curve that run drafted by). Two busy workers make many measurements doubtful,
+    and a doubtful curve is not cached, so each command of the default model measured it again (15-25 s each). For
+    the tests that run those commands with the adaptive tree; test_default_model_names_paris checks that they find
+    it."""
     import fcntl
 
     from tr_engine.core.cost import cost_path
