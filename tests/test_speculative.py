@@ -391,6 +391,34 @@ def test_smollm2_fp32_kernels_references_and_ar_agree_on_the_dev_subset(smollm2,
             assert got.token_ids == ar[:16], question
 
 
+def test_prompt_lookup_finds_what_the_plain_loop_finds():
+    """PromptLookup.lookup searches the ids as bytes: it must return what the loop in its docstring returns, also
+    where a match of the bytes straddles two ids (small ids are mostly zero bytes; ids past 65535 use three)."""
+    import random
+
+    from tr_engine.core.drafters import PromptLookup
+
+    def loop(history, max_ngram=3, length=4):
+        for n in range(min(max_ngram, len(history) - 1), 0, -1):
+            for start in range(len(history) - n - 1, -1, -1):
+                if history[start : start + n] == history[-n:]:
+                    return history[start + n : start + n + length]
+        return []
+
+    lookup = PromptLookup("cpu", length=4).lookup
+    assert lookup([]) == lookup([7]) == lookup([1, 2]) == []
+    assert lookup([5, 5]) == [5]  # a 1-gram, not the tail itself
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]) == [8, 1, 2, 3]  # the latest match, the longest n-gram
+    assert lookup([1, 2, 9, 9, 9, 9, 9, 3, 2]) == [9, 9, 9, 9]  # only a 1-gram matches; the chain is cut to 4
+    # 1 is bytes 01 00 00 00, found straddling 256 and 512 (00 01 00 00 | 00 02 00 00) but in no id of its own
+    assert lookup([256, 512, 7, 1]) == loop([256, 512, 7, 1]) == []
+    rng = random.Random(0)
+    for _ in range(5000):
+        vocab = rng.choice([2, 3, 257, 300, 70000, 1 << 30])
+        history = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        assert lookup(history) == loop(history), history
+
+
 def test_truncate_tree_keeps_a_prefix_that_is_a_tree():
     from tr_engine.core.tree import truncate_tree
 
