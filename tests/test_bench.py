@@ -274,6 +274,23 @@ def test_tree_mat_measures_each_size_and_category_group(tiny_factory, tmp_path):
     assert bad.returncode == 2 and "--sizes must be verify buckets" in bad.stderr
 
 
+def test_threads_compares_the_policies_idle_and_beside_a_busy_process(tiny_factory, tmp_path):
+    """The harness behind bench/results/threads.md on a tiny model: each method under each thread policy, idle and
+    beside a busy process (started and stopped by the bench), every policy's tokens the same."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [t]}) + "\n"
+                                 for i, t in enumerate(["Who are you?", "Write a line about the sea."])))
+    proc = bench_main("bench.threads", "--model", str(tiny_factory()), "--dtype", "float32", "--questions", "2",
+                      "--questions-file", str(questions), "--max-new-tokens", "4", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads((tmp_path / "threads.json").read_text())["results"]
+    assert set(got) == {"idle/ar", "idle/hybrid", "busy/ar", "busy/hybrid"}
+    for row in got.values():
+        assert set(row["median_tok_s"]) == {"all", "follow", "one"} and row["identical"] == 2
+        assert all(1 <= n <= torch.get_num_threads() for n in row["follow_threads"])
+    assert "| busy | hybrid |" in (tmp_path / "threads.md").read_text()
+
+
 def test_load_memory_writes_a_checkpoint_of_a_shape_loads_it_and_reports(tmp_path):
     """The harness behind bench/results/load_memory_vicuna-7b.md at the tiny shape (where memory ratios mean
     nothing: tests/test_weights.py holds loading to its memory at 100 MB)."""

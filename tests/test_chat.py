@@ -139,7 +139,7 @@ def test_stats_command(default_model_curve):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() and "/stats" not in proc.stdout  # only the answer on stdout
     for needle in ("last answer: 1 answer(s)", "session: 1 answer(s)", "MAT", "accepted per step:", "verify",
-                   "recycle"):
+                   "recycle", "threads (following the load, up to"):
         assert needle in proc.stderr, proc.stderr
 
 

@@ -74,8 +74,8 @@ def test_a_tier_that_cannot_be_had_is_a_one_line_error(monkeypatch):
 
 
 def test_the_commands_say_which_tier_runs_and_refuse_one_that_cannot(tiny_factory):
-    """generate --json reports the tier (as chat's /stats and the server's /health do); a bad TR_ENGINE_CPU ends the
-    command in one line."""
+    """generate --json reports the tier and the threads (as chat's /stats and the server's /health do); a bad
+    TR_ENGINE_CPU ends the command in one line."""
     import os
 
     folder = str(tiny_factory("tiers", dtype=torch.bfloat16))
@@ -84,7 +84,11 @@ def test_the_commands_say_which_tier_runs_and_refuse_one_that_cannot(tiny_factor
     proc = run_module("tr_engine.cli.generate", "--model", folder, "--prompt", "hi", "--max-new-tokens", "4",
                       "--dtype", "bfloat16", "--tree", "2.2.2", "--json", env=env)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["cpu_tier"] == lowest
+    out = json.loads(proc.stdout)
+    assert out["cpu_tier"] == lowest and 1 <= out["cpu_threads"] <= os.cpu_count()  # (it follows the load)
+    proc = run_module("tr_engine.cli.generate", "--model", folder, "--prompt", "hi", "--max-new-tokens", "4",
+                      "--tree", "2.2.2", "--json", "--threads", "1")  # (a given count is kept)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["cpu_threads"] == 1, proc.stderr
     proc = run_module("tr_engine.cli.generate", "--model", folder, "--prompt", "hi", env=os.environ | {cpu.ENV: "sse9"})
     assert_one_line_error(proc, "unknown CPU tier 'sse9'", "TR_ENGINE_CPU")
 

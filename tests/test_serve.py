@@ -17,6 +17,7 @@ import openai
 import pytest
 import torch
 
+from conftest import CPU_TIERS
 from tr_engine.engine import Engine
 from tr_engine.serving.openai_api import StopText
 
@@ -200,6 +201,15 @@ def test_a_request_may_decode_plainly_or_cap_its_drafts_and_a_typo_is_a_400(tiny
     finally:
         code, out = server.stop()
     assert code == 0, out
+
+
+def test_health_names_the_model_the_cpu_tier_and_the_threads_in_use(server):
+    """/health: the model, the CPU kernel tier and the threads the CPU ops run on now (no --threads: following the
+    load, at most the cores torch starts with)."""
+    status, text = server.get("/health")
+    health = json.loads(text)
+    assert status == 200 and health["status"] == "ok" and health["model"] == server.model
+    assert health["cpu_tier"] in CPU_TIERS and 1 <= health["cpu_threads"] <= os.cpu_count()
 
 
 def test_completions_take_raw_text_and_token_ids(server, alone):

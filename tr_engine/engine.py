@@ -7,6 +7,7 @@
         print(piece, end="", flush=True)
 """
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from tr_engine.model.folders import home
 from tr_engine.model.llama import Llama
 from tr_engine.model.loading import load
 from tr_engine.model.runners import Runners
+from tr_engine.model.threads import LoadFollower
 from tr_engine.model.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -40,7 +42,7 @@ class Engine:
                  matrix_k: int = 8, method: str = DEFAULT_METHOD, seed: int | None = None,
                  cuda_graphs: bool | None = None, max_batch: int = DEFAULT_MAX_BATCH,
                  batch_context: int | None = None, suffix_bytes: int = 0, max_draft: int | None = None,
-                 plain_above: int | None = None):
+                 plain_above: int | None = None, follow_load: bool = False):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
         # The ops (tr_engine.model.ops), one namespace for the model, the matrix and the decode loop: the model's.
         self.ops = model.ops
@@ -56,6 +58,11 @@ class Engine:
                                                                         max_context))
         self.cache, self.slot = self.runners.cache, self.runners.slot  # (the slot remembers the conversation)
         self.batch_context = self.runners.batch_context
+        # With `follow_load` (a CPU engine whose thread count nobody set), torch's starting thread count, and the decode
+        # loops run the CPU ops on the CPUs other processes leave (tr_engine/model/threads.py): `pace` is its look
+        # between steps.
+        self.threads = LoadFollower() if follow_load else None
+        self.pace = self.threads.tick if self.threads is not None else None
         # Token Recycling's state (one matrix for the engine's lifetime: hot start across calls), its trees, the cost
         # curve that prices them, and the drafter of each method (tr_engine/core/drafting.py).
         key = cost_key(folder.name, model.dtype, model.device, self.ops.kind, self.cuda_graphs, model.shard.world,
@@ -71,6 +78,11 @@ class Engine:
     def cpu_tier(self) -> str | None:
         """The CPU kernel tier this engine's ops run ("avx512bf16", "avx2", ..., "reference"; None off the CPU)."""
         return cpu.tier_of(self.ops, self.model.device)
+
+    @property
+    def cpu_threads(self) -> int | None:
+        """The threads the CPU ops run on now (following the load unless given: `threads`); None off the CPU."""
+        return torch.get_num_threads() if self.model.device.type == "cpu" else None
 
     def drafter(self, method: str):
         """The engine's drafter for `method` (a registered drafter's name), made on first use; the drafters of
@@ -94,8 +106,10 @@ class Engine:
         call prefills its whole prompt) and saved there, unless the measurement was doubtful (a busy machine): then it
         serves this engine only, and the next engine measures again. `on_calibrate(fraction, doubt)`, if set, hears
         the measurement's progress: 0.0 at the start, then fractions, then 1.0 with the doubt (None, or why the curve
-        was not saved)."""
-        cost, measured = self.drafting.cost_model(self.runners.runner, recalibrate, self.on_calibrate)
+        was not saved). It runs on the engine's whole thread count, the one in its key, whatever the load."""
+        measuring = recalibrate or self.drafting.cost is None
+        with self.threads.at_most() if measuring and self.threads is not None else nullcontext():
+            cost, measured = self.drafting.cost_model(self.runners.runner, recalibrate, self.on_calibrate)
         if measured:  # (the measurement ran in the KV cache)
             self.reset_cache()
         return cost
@@ -133,7 +147,8 @@ class Engine:
         (tr_engine/core/speculative_config.py: JSON text or a dict with vLLM's keys) sets the method, the most draft
         tokens a step verifies and the batch size above which batches decode plainly; `suffix_bytes` bounds hybrid's
         suffix index (0: none; method "suffix": 64 MB unless given). Special-token strings written in a message's
-        content are text unless `parse_special_tokens`."""
+        content are text unless `parse_special_tokens`. `threads` fixes the CPU ops' thread count; without it a CPU
+        engine (tp 1) starts at torch's and follows the machine's load (tr_engine/model/threads.py)."""
         if not isinstance(tree, (str, Path)):
             raise InvalidType(f"tree must be 'adaptive', a tree name or a tree file path, got {type(tree).__name__}")
         check_method(method)
@@ -147,7 +162,7 @@ class Engine:
                  parse_special_tokens)  # (tr_engine/model/loading.py)
         return cls(m.model, m.tokenizer, m.folder, m.max_context, str(tree), matrix_k, config.method or method, seed,
                    m.cuda_graphs, max_batch, max_context, suffix_bytes, config.num_speculative_tokens,
-                   config.disable_by_batch_size)
+                   config.disable_by_batch_size, threads is None and m.model.device.type == "cpu" and tp == 1)
 
     def prompt_ids(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: a string (wrapped as one user message unless chat_template=False) or messages
@@ -240,7 +255,7 @@ class Engine:
         drafter = self.priced(method)
         cache = self.batch_cache()  # (then the batch's runner is set)
         return batch_steps(self.runners.batch_runner, cache, requests, drafter, self.tokenizer.eos_ids, self.ops,
-                           limit, reuse_prefix, seeder(drafter, seed_from_prompt), self.plain_above)
+                           limit, reuse_prefix, seeder(drafter, seed_from_prompt), self.plain_above, self.pace)
 
     def priced(self, method: str | None, drafter=None):
         """The drafter a decode loop runs for `method` (default the engine's; `drafter` given: that one), its adaptive
@@ -266,7 +281,8 @@ class Engine:
         drafter = self.priced(method, drafter)
         return (yield from speculative_steps(self.runners.runner, self.slot, ids, drafter, max_new_tokens,
                                              self.tokenizer.eos_ids, self.ops, seeder(drafter, seed_from_prompt),
-                                             sampler, ignore_eos, cancel, reuse_prefix=reuse_cache))
+                                             sampler, ignore_eos, cancel, reuse_prefix=reuse_cache,
+                                             pace=self.pace))
 
     def sampler(self, sampling: Sampling, seed: int | None = None) -> Sampler | None:
         """The draws of one sampled call (None when greedy): from `seed`, else from a seed taken off the engine's

@@ -84,7 +84,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     ap.add_argument("--max-context", type=integer(1), default=None, help="KV-cache capacity in tokens")
     ap.add_argument("--threads", type=integer(1, checks.usable_cpus(), "the CPUs this process may use"), default=None,
-                    help="CPU threads (default: all available)")
+                    help="CPU threads, fixed (default: torch's count, fewer while other processes keep CPUs busy)")
     ap.add_argument("--ops", default="kernels", type=ops_spec, metavar="KIND[,OP=KIND...]",
                     help="kernels (compiled, default) or reference (pure PyTorch), then any single op swapped, e.g. "
                          "kernels,tree_attention=reference")

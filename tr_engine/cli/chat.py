@@ -108,8 +108,10 @@ class Session:
                 f"prefill {g.prompt_tokens} tokens in {g.prefill_s:.2f}s]")
 
     def stats(self) -> str:
-        tier = self.engine.cpu_tier
-        kernels = f"kernels: CPU tier {tier}" if tier else f"kernels: {self.engine.model.device.type}"
+        tier, threads = self.engine.cpu_tier, self.engine.threads
+        following = f" (following the load, up to {threads.most})" if threads is not None else ""
+        kernels = (f"kernels: CPU tier {tier}, {self.engine.cpu_threads} threads{following}" if tier
+                   else f"kernels: {self.engine.model.device.type}")
         if not self.results:
             return f"no answers yet; {kernels}"
         return "\n".join([describe("last answer", self.results[-1:]), describe("session", self.results), kernels])

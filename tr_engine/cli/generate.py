@@ -58,7 +58,8 @@ def main(argv=None) -> int:
                              sampling=sampling, ignore_eos=args.ignore_eos)
     try:
         if args.json:
-            print(json.dumps({**result.as_dict(), "cpu_tier": engine.cpu_tier}, ensure_ascii=False), flush=True)
+            print(json.dumps({**result.as_dict(), "cpu_tier": engine.cpu_tier,
+                              "cpu_threads": engine.cpu_threads}, ensure_ascii=False), flush=True)
         else:
             print(result.text, flush=True)
             g = result.generation
@@ -118,7 +119,8 @@ def answer_file(engine, prompts: list, args, sampling) -> int:
             print(f"error: {error}", file=sys.stderr, flush=True)
             print(json.dumps({"index": i, "error": error}, ensure_ascii=False), flush=True)
         else:
-            print(json.dumps({"index": i, **r.as_dict(), "cpu_tier": engine.cpu_tier}, ensure_ascii=False), flush=True)
+            print(json.dumps({"index": i, **r.as_dict(), "cpu_tier": engine.cpu_tier,
+                              "cpu_threads": engine.cpu_threads}, ensure_ascii=False), flush=True)
     if args.matrix:
         try:
             engine.save_matrix(args.matrix)

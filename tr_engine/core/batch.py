@@ -114,7 +114,7 @@ class Listed:
 
 def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: tuple[int, ...], ops,
                 limit: int | None = None, reuse_prefix: bool = False, seed_matrix: Callable | None = None,
-                plain_above: int | None = None):
+                plain_above: int | None = None, pace: Callable[[], None] | None = None):
     """Decode `requests` with at most `limit` (default cache.slots) of them in each forward, drafting with `drafter`
     (None: plain decoding). Yields Events as tokens are committed; a request ends with an Event carrying its
     Generation or its error. `requests` is an iterable of Requests in id order, or a source whose take(block)
@@ -126,7 +126,8 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     rest: the same bits as a cold prefill, the kernels being row-independent. `seed_matrix(ids, logits)`, if given,
     receives every prefill's logits at each prefilled position (Token Recycling's optional prompt seeding). With
     `plain_above`, a step of more sequences than that decodes plainly (--speculative-config's disable_by_batch_size);
-    a request's `max_draft` caps its own drafts."""
+    a request's `max_draft` caps its own drafts. `pace()`, if given, is called before each step (the engine's CPU
+    thread count following the machine's load: tr_engine/model/threads.py)."""
     limit = cache.slots if limit is None else min(limit, cache.slots)
     source, active = requests if hasattr(requests, "take") else Listed(requests), {}
     clock, before = PhaseClock(), {}  # the steps' seconds by phase (the whole batch's), and at the last step's start
@@ -172,6 +173,8 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     ended = False
     try:
         while True:
+            if pace is not None:
+                pace()
             for r in source.leaving(list(active.values())):  # cancelled since the last step
                 yield Event(r.id, [], done=finish(r), error="cancelled")
             while not ended and cache.free() and len(active) < limit:  # join at the step boundary
@@ -239,19 +242,20 @@ def verify_batch(model: Llama, cache: BatchKVCache, slots: list[int], drafts: li
 def speculative_steps(model: Llama, cache: KVCache | BatchKVCache, context_ids: list[int], drafter,
                       max_new_tokens: int, eos_ids: tuple[int, ...], ops, seed_matrix=None,
                       sampler: Sampler | None = None, ignore_eos: bool = False,
-                      cancel: threading.Event | None = None, reuse_prefix: bool = False):
+                      cancel: threading.Event | None = None, reuse_prefix: bool = False,
+                      pace: Callable[[], None] | None = None):
     """One sequence through batch_steps, drafting with `drafter`: yields each step's committed tokens (the first
     token alone first), greedy or, with `sampler`, sampled. `cache` is a KVCache (emptied first), or a one-slot
     BatchKVCache that remembers what it holds: with `reuse_prefix`, the start of `context_ids` it holds already (an
     earlier turn of the conversation) is not prefilled again. `seed_matrix` as batch_steps'. With `ignore_eos` it
     decodes past the end-of-sequence token to max_new_tokens; once `cancel` (an Event, set from any thread) is set, it
-    ends at the next step boundary with finish_reason "cancelled". Returns the Generation; a request that cannot run
-    (too long for the cache) raises its one-line error."""
+    ends at the next step boundary with finish_reason "cancelled"; `pace` as batch_steps'. Returns the Generation; a
+    request that cannot run (too long for the cache) raises its one-line error."""
     slots = cache if isinstance(cache, BatchKVCache) else BatchKVCache.of(cache)
     request = Request(0, context_ids, max_new_tokens, sampler, ignore_eos=ignore_eos,
                       cancel_event=cancel or threading.Event())
     for event in batch_steps(model, slots, [request], drafter, eos_ids, ops, reuse_prefix=reuse_prefix,
-                             seed_matrix=seed_matrix):
+                             seed_matrix=seed_matrix, pace=pace):
         if event.error is not None and event.done is None:
             raise UserError(event.error)
         yield event.tokens

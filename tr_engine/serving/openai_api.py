@@ -242,7 +242,8 @@ def create_app(scheduler: Scheduler, model_name: str, defaults: Defaults | None 
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "cpu_tier": app.state.engine.cpu_tier,
+        engine = app.state.engine
+        return {"status": "ok", "model": model_name, "cpu_tier": engine.cpu_tier, "cpu_threads": engine.cpu_threads,
                 **app.state.scheduler.stats()}
 
     @app.get("/v1/models")
