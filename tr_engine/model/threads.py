@@ -4,9 +4,9 @@ busy.
 A parallel op splits its work among the threads and waits at its end for the last of them. Where another process
 keeps a CPU busy, the thread sharing that CPU runs a scheduler slice at a time and every op waits for it, while the
 other threads spin (libgomp, torch's OpenMP runtime, spins before it sleeps) and keep their own CPUs from it. SmolLM2
-in bf16, plain decoding on the 2-core AVX2 host (AMD EPYC, Zen 3 class), tok/s: idle, 2 threads 74-87 and 1 thread
-50-51; beside one busy process, 2 threads 23-31 and 1 thread 57-59 (bench/results/threads.md). libgomp's passive wait
-(OMP_WAIT_POLICY=passive) recovers 47-48 there but costs ~11% idle (63-69).
+in bf16, plain decoding on the 2-core AVX2 host (AMD EPYC, Zen 3 class), tok/s: idle, 2 threads 71 and 1 thread 48;
+beside one busy process, 2 threads 24 and 1 thread 50 (bench/results/threads.md). libgomp's passive wait
+(OMP_WAIT_POLICY=passive) recovered 47-48 of 57-59 there, but cost ~11% idle.
 
 `LoadFollower.tick()`, called by the decode loop between steps, looks at the CPUs every PERIOD_S: the busy time of
 the CPUs this process may use (/proc/stat, steal included: a vCPU its host runs elsewhere is as busy) less this
