@@ -2,7 +2,7 @@
 
 One engine (the default model, no --threads: it follows the load, tr_engine/model/threads.py) answers the same
 questions under each policy in turn, question by question, so a noisy spell hits all alike:
-  - all: torch's starting thread count, fixed (what an engine did before it followed the load);
+  - all: the process's thread count (torch's), fixed (what an engine did before it followed the load);
   - follow: the engine's default, looking at the CPUs between steps;
   - one: 1 thread, fixed.
 First on the idle machine, then beside `--busy` processes that each keep a CPU busy (a Python loop, started by the

@@ -430,6 +430,39 @@ def test_an_inversion_timed_alike_twice_is_the_machines_and_cached(tiny, tmp_pat
     assert path.is_file()  # cached
 
 
+@pytest.mark.parametrize("second_try", ["crowded", "alone", "check off"])
+def test_a_measurement_beside_processes_that_crowd_its_threads_is_doubtful(tiny, tmp_path, monkeypatch, second_try):
+    """Other processes kept busy CPUs that its threads need (tr_engine/model/threads.py: CpuLoad.crowds): the try is
+    doubtful and measured again. Crowded again, the curve is not cached and its doubt names them, however alike the
+    two tries timed (a crowded machine times its curve alike, and wrong); with its CPUs left to it, the second try is
+    trusted and cached. With the check off (TR_ENGINE_LOAD_CHECK=0: the test suite's default) nothing is asked."""
+    from tr_engine.core import cost
+    from tr_engine.core.cost import LOAD_CHECK_ENV, calibrated
+
+    crowding = [1.0, 1.0 if second_try == "crowded" else None]
+
+    class Crowd:
+        cpus = {0, 1}
+
+        def crowds(self, threads: int):
+            return crowding.pop(0)
+
+    monkeypatch.setattr(cost, "CpuLoad", Crowd)
+    monkeypatch.setenv(LOAD_CHECK_ENV, "0" if second_try == "check off" else "1")
+    tiny.set_max_positions(200)
+    timed = Timed(tiny, lambda T, call: 0.004, monkeypatch)
+    path = tmp_path / "curve.json"
+    cm, _ = calibrated(timed, KVCache(tiny.config, 200, torch.float64, "cpu"), {}, path, tiny.shard, 8, again=True)
+    if second_try == "check off":
+        assert cm.doubt is None and path.is_file() and len(crowding) == 2 and timed.calls.count(104) == 2
+        return
+    assert timed.calls.count(104) == 4 and not crowding  # two tries, each asked
+    if second_try == "crowded":
+        assert cm.doubt.startswith("other processes kept 1.0 of the 2 CPUs busy") and not path.is_file(), cm.doubt
+    else:
+        assert cm.doubt is None and path.is_file()
+
+
 def test_engine_adaptive_tree_calibrates_once_and_stays_lossless(tiny_factory, tmp_path, monkeypatch):
     from tr_engine.engine import Engine
 

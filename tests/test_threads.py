@@ -46,9 +46,7 @@ class Machine:
         return self.busy, self.own
 
     def follower(self, period_s=1.0):
-        f = LoadFollower(2, period_s, self.read, lambda: self.t, self.set.append)
-        f.cpus = {0, 1}
-        return f
+        return LoadFollower(2, period_s, self.read, lambda: self.t, self.set.append, cpus={0, 1})
 
 
 def test_a_busy_neighbour_takes_a_thread_after_two_looks_and_gives_it_back_when_it_leaves():
@@ -72,6 +70,20 @@ def test_a_busy_neighbour_takes_a_thread_after_two_looks_and_gives_it_back_when_
     assert f.threads == 2 and m.set == [2, 1, 2]
 
 
+def test_a_stretch_beside_a_busy_process_crowds_two_threads_not_one():
+    """CpuLoad: the others' load over a stretch, in CPUs, and whether it takes CPUs that a thread count needs."""
+    from tr_engine.model.threads import CpuLoad
+
+    m = Machine()
+    load = CpuLoad(m.read, lambda: m.t, {0, 1})
+    m.run(2.0, others=1.0)
+    assert load.others() == pytest.approx(1.0) and load.crowds(2) == pytest.approx(1.0) and load.crowds(1) is None
+    quiet = load.next()
+    m.run(2.0, others=0.2)
+    assert quiet.others() == pytest.approx(0.2) and quiet.crowds(2) is None
+    assert CpuLoad(lambda: None, lambda: m.t, {0, 1}).crowds(2) is None  # (nothing to read: no verdict)
+
+
 def test_a_load_at_the_edge_does_not_flap_the_count():
     m = Machine()
     f = m.follower()
@@ -83,13 +95,13 @@ def test_a_load_at_the_edge_does_not_flap_the_count():
 
 def test_no_proc_stat_no_following_and_the_curve_measures_on_every_thread():
     m = Machine()
-    blind = LoadFollower(2, 1.0, lambda: None, lambda: m.t, m.set.append)
+    blind = LoadFollower(2, 1.0, lambda: None, lambda: m.t, m.set.append, cpus={0, 1})
     m.run(5.0, others=2.0)
     blind.tick()
     assert blind.threads == 2 and m.set == [2]
     before = torch.get_num_threads()
     try:
-        f = LoadFollower(2, 1.0, m.read, lambda: m.t)
+        f = LoadFollower(2, 1.0, m.read, lambda: m.t, cpus={0, 1})
         torch.set_num_threads(1)  # (as the load had it)
         with f.at_most():
             assert torch.get_num_threads() == 2
@@ -103,15 +115,17 @@ def test_an_engine_follows_the_load_unless_its_threads_were_given(markov_folder,
     alike); one given `threads` keeps that count; the cost curve is measured at the starting count, its key's."""
     from tr_engine.core import drafting
     from tr_engine.engine import Engine
-    from tr_engine.model import threads
 
     before = torch.get_num_threads()
     try:
         fixed = Engine.from_pretrained(str(markov_folder), dtype="float64", threads=1)
         assert fixed.threads is None and fixed.pace is None and torch.get_num_threads() == 1
+        torch.set_num_threads(2)  # (the process's own count, as torch's default or a user's set_num_threads)
         engine = Engine.from_pretrained(str(markov_folder), dtype="float64")
-        assert engine.threads.most == threads.STARTING == torch.get_num_threads()
-        assert engine.drafting.key["threads"] == threads.STARTING
+        assert engine.threads.most == 2 == torch.get_num_threads() == engine.drafting.key["threads"]
+        engine.threads.set_threads(1)  # (as if the load had taken a thread)
+        again = Engine.from_pretrained(str(markov_folder), dtype="float64")  # starts at the first one's most
+        assert again.threads.most == 2 == torch.get_num_threads()
         looks, measured_on = [], []
         monkeypatch.setattr(engine.threads, "tick", lambda: looks.append(torch.get_num_threads()))
         engine.pace = engine.threads.tick
@@ -120,9 +134,9 @@ def test_an_engine_follows_the_load_unless_its_threads_were_given(markov_folder,
                             lambda *a, **k: measured_on.append(torch.get_num_threads()) or calibrated(*a, **k))
         torch.set_num_threads(1)  # (as if the load had taken a thread)
         engine.cost_model(recalibrate=True)  # measured on every thread, then back to the load's count
-        assert measured_on == [threads.STARTING] and torch.get_num_threads() == 1
+        assert measured_on == [2] and torch.get_num_threads() == 1
         result = engine.generate("hello hello", 12, method="tr", ignore_eos=True)  # (the curve cached: left alone)
-        assert len(looks) >= result.generation.steps and set(looks) == {1} and measured_on == [threads.STARTING]
+        assert len(looks) >= result.generation.steps and set(looks) == {1} and measured_on == [2]
         looks.clear()
         results = engine.generate_batch(["hello", "tell me"], 6, method="tr", ignore_eos=True)
         assert len(looks) >= max(r.generation.steps for r in results) > 0

@@ -58,9 +58,9 @@ class Engine:
                                                                         max_context))
         self.cache, self.slot = self.runners.cache, self.runners.slot  # (the slot remembers the conversation)
         self.batch_context = self.runners.batch_context
-        # With `follow_load` (a CPU engine whose thread count nobody set), torch's starting thread count, and the decode
-        # loops run the CPU ops on the CPUs other processes leave (tr_engine/model/threads.py): `pace` is its look
-        # between steps.
+        # With `follow_load` (a CPU engine whose thread count nobody set), the decode loops run the CPU ops on the CPUs
+        # other processes leave, up to the process's count (tr_engine/model/threads.py): `pace` is its look between
+        # steps.
         self.threads = LoadFollower() if follow_load else None
         self.pace = self.threads.tick if self.threads is not None else None
         # Token Recycling's state (one matrix for the engine's lifetime: hot start across calls), its trees, the cost

@@ -16,14 +16,15 @@ medians a pass apart came out 1.17x and 1.58x at 8 tokens on one machine (the la
 The measurement is bounded (MEASURE_BUDGET_S, under 20 s with a second try on a small model) and checked: sizes
 dearer than MAX_RELATIVE plain steps are not timed (no tree that big can pay; their cost is extrapolated), and a curve
 that is not monotone or was measured through a noisy spell (the plain step's own time moving by more than NOISE
-from pass to pass: another process was busy) is measured again once, and if still doubtful used for this run only,
-never cached. A second try that times the same inversions alike, with no spell (`reproduced`), is trusted: the matmul
+from pass to pass, or other processes keeping busy CPUs its threads need: /proc/stat) is measured again once, and if
+still doubtful used for this run only, never cached. A second try that times the same inversions alike, with no spell (`reproduced`), is trusted: the matmul
 kernels change tiles with the row count, so a bigger verify can really be cheaper than a smaller one (AVX2, float32,
 before the full tiles of 0acf380: 6 rows at 0.85x the time of 4), and such a curve would be measured at every start.
 """
 
 import hashlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -35,6 +36,7 @@ import torch
 from tr_engine.core.sampling import greedy
 from tr_engine.core.tree import sample_tree_mask
 from tr_engine.files import atomic_write
+from tr_engine.model.threads import CpuLoad
 
 # Verify sizes (tokens, root included) a tree may take, and the ones the cost curve measures. Every size from 1 to 8
 # is measured: where the matmul kernels change with the row count (tr_engine/model/ops.py), the curve has steps that
@@ -59,6 +61,11 @@ MAX_PASSES = 64
 # the root at this share of a plain step. The curves measured on this project's CPUs cost 8 tokens 1.3-2.2 plain steps
 # and 16 tokens 1.6-4.1 (fp32 cheapest, the half types on AVX2 dearest); this prices them 1.84 and 2.8.
 PRIOR_PER_TOKEN = 0.12
+# A measurement on the CPU during which other processes kept busy CPUs its threads need (tr_engine/model/threads.py:
+# with 2 threads on 2 CPUs beside one busy process every op waits for the thread sharing a CPU, and a 2-token verify
+# timed at 10 plain steps) is doubtful. "0" in this variable leaves that check out: the test suite's two workers keep
+# each other's CPUs busy by design, and tests/test_threads.py tests the check itself.
+LOAD_CHECK_ENV = "TR_ENGINE_LOAD_CHECK"
 # How a curve is measured, in the cache key: a curve cached by an earlier way of measuring is measured again.
 # (2: each size priced against the plain step just before it.)
 MEASURED = 2
@@ -268,8 +275,10 @@ class CostModel:
                 progress(reported)
 
         start, tries = time.perf_counter(), []  # (each try's timings at each prefix)
+        watch_load = model.device.type == "cpu" and os.environ.get(LOAD_CHECK_ENV, "1") != "0"
         for attempt in range(2):
             relative, plain, reasons, timed, noisy = [], [], [], [], False
+            load = CpuLoad() if watch_load else None
             for i, prefix in enumerate(prefixes):
                 samples = {}
                 s = time_steps(model, cache, sizes, prefix, reps, top_k=top_k, budget_s=budget_s / len(prefixes),
@@ -281,6 +290,11 @@ class CostModel:
                 timed.append(s)
                 relative.append(envelope(s, sizes))
                 plain.append(s[1])
+            threads = torch.get_num_threads()
+            if load is not None and (others := load.crowds(threads)) is not None:
+                noisy = True
+                reasons.append(f"other processes kept {others:.1f} of the {len(load.cpus)} CPUs busy, so its {threads} "
+                               "threads waited on each other")
             tries.append(timed)
             doubt = "; ".join(reasons) or None
             if doubt is not None and attempt == 1 and not noisy and reproduced(*tries):

@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 PERIOD_S = 1.0  # seconds between looks at the CPUs
-STARTING = torch.get_num_threads()  # torch's count when the engine was imported: a following engine's most
+# The count a follower set last, and its `most`: an engine made while torch's count is still a follower's doing starts
+# at that follower's most, not at a count the load lowered (any other count is the process's own: torch's, or set).
+_last_set: tuple[int, int] | None = None
 PROC_STAT = Path("/proc/stat")
 BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # of a cpuN line's numbers: user, nice, system, irq, softirq, steal (not idle, iowait)
 
@@ -48,41 +50,76 @@ def threads_for(others: float, cpus: int, most: int) -> int:
     return max(1, min(most, math.ceil(cpus - others - 0.5)))
 
 
+def usable_cpus() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def read_cpus(cpus: set[int]) -> tuple[float, float] | None:
+    """(busy CPU seconds of `cpus` since boot, this process's CPU seconds), or None without /proc/stat."""
+    try:
+        stat = PROC_STAT.read_text()
+    except OSError:
+        return None
+    return busy_seconds(cpus, stat), time.process_time()
+
+
+class CpuLoad:
+    """Other processes' load on this process's CPUs, in CPUs, over a stretch of time: made at its start, `others()` at
+    its end. `read()` -> (busy CPU seconds of the usable CPUs, this process's CPU seconds) reads the machine (None:
+    nothing to read, and others() is None); `now()` is the wall clock."""
+
+    def __init__(self, read=None, now=time.monotonic, cpus: set[int] | None = None, start=None):
+        self.cpus = usable_cpus() if cpus is None else cpus
+        self.read, self.now = read or (lambda: read_cpus(self.cpus)), now
+        self.at, self.first = start or (now(), self.read())
+        self.end = None  # (the wall clock, the reading) of the last others()
+
+    def others(self) -> float | None:
+        self.end = self.now(), self.read()
+        if self.end[1] is None or self.first is None:
+            return None
+        busy, own = (a - b for a, b in zip(self.end[1], self.first))
+        return max(0.0, (busy - own) / max(self.end[0] - self.at, 1e-9))
+
+    def next(self) -> "CpuLoad":
+        """The stretch that starts where the last others() ended (no reading of its own)."""
+        return CpuLoad(self.read, self.now, self.cpus, self.end)
+
+    def crowds(self, threads: int) -> float | None:
+        """The others' load if it took CPUs that `threads` threads need (fewer would run: threads_for), else None."""
+        others = self.others()
+        return others if others is not None and threads_for(others, len(self.cpus), threads) < threads else None
+
+
 class LoadFollower:
-    """Sets torch's thread count to `most` (default STARTING: another engine may have set a count of its own since),
-    then to the CPUs other processes leave, up to `most`, looked at every `period_s` of `now()` from the decode loop
-    (tick). `read()` -> (busy CPU seconds of the usable CPUs, this process's CPU seconds) reads the machine (None where
-    there is no /proc/stat: the count then stays as it is)."""
+    """Runs torch's thread count at `most` (default: torch's count now, unless a follower lowered it: that
+    follower's most), then at the CPUs other processes leave, up to `most`, looked at every `period_s` of `now()`
+    from the decode loop (tick). `read` as CpuLoad's (None where there is no /proc/stat: the count then stays)."""
 
     def __init__(self, most: int | None = None, period_s: float = PERIOD_S, read=None, now=time.monotonic,
-                 set_threads=torch.set_num_threads):
-        self.most = most or STARTING
-        self.period_s, self.now, self.set_threads = period_s, now, set_threads
-        set_threads(self.most)
-        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-        self.read = read or self.clocks
+                 set_threads=torch.set_num_threads, cpus: set[int] | None = None):
+        now_count = torch.get_num_threads()
+        self.most = most or (_last_set[1] if _last_set is not None and _last_set[0] == now_count else now_count)
+        self.period_s, self.now, self._set = period_s, now, set_threads
+        self.set_threads(self.most)
         self.threads, self.pending = self.most, None
-        self.at, self.last = self.now(), self.read()
+        self.load = CpuLoad(read, now, cpus)
 
-    def clocks(self) -> tuple[float, float] | None:
-        try:
-            stat = PROC_STAT.read_text()
-        except OSError:
-            return None
-        return busy_seconds(self.cpus, stat), time.process_time()
+    def set_threads(self, n: int) -> None:
+        global _last_set
+        self._set(n)
+        _last_set = n, self.most
 
     def tick(self) -> None:
         """Between steps: every period_s, the others' load since the last look, and the thread count for it."""
-        at = self.now()
-        if self.last is None or at - self.at < self.period_s:
+        load = self.load
+        if load.first is None or self.now() - load.at < self.period_s:
             return
-        now = self.read()
-        if now is None:
+        others = load.others()
+        if others is None:
             return
-        busy, own = (a - b for a, b in zip(now, self.last))
-        others = max(0.0, (busy - own) / (at - self.at))
-        self.at, self.last = at, now
-        want = threads_for(others, len(self.cpus), self.most)
+        self.load = load.next()
+        want = threads_for(others, len(load.cpus), self.most)
         if want == self.threads:
             self.pending = None
         elif want == self.pending:  # the second look in a row that wants it
@@ -96,8 +133,8 @@ class LoadFollower:
         """All `most` threads for a while: the cost curve's measurement, keyed by that count
         (tr_engine/core/cost.py). The count before is back after."""
         before = torch.get_num_threads()
-        self.set_threads(self.most)
+        self._set(self.most)
         try:
             yield
         finally:
-            self.set_threads(before)
+            self._set(before)
