@@ -54,11 +54,16 @@ def text(value, what: str) -> str:
     return value
 
 
-def usable_cpus() -> int:
+def cpu_set() -> set[int]:
+    """The CPUs this process may run on."""
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def usable_cpus() -> int:
+    return len(cpu_set())
 
 
 def _range(low, high) -> str:

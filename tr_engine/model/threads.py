@@ -1,5 +1,5 @@
-"""How many threads the CPU ops run on when the user did not say: torch's default, less the CPUs other processes keep
-busy.
+"""How many threads the CPU ops run on when the user did not say: the process's count (torch's), less the CPUs other
+processes keep busy.
 
 A parallel op splits its work among the threads and waits at its end for the last of them. Where another process
 keeps a CPU busy, the thread sharing that CPU runs a scheduler slice at a time and every op waits for it, while the
@@ -11,10 +11,11 @@ beside one busy process, 2 threads 24 and 1 thread 50 (bench/results/threads.md)
 `LoadFollower.tick()`, called by the decode loop between steps, looks at the CPUs every PERIOD_S: the busy time of
 the CPUs this process may use (/proc/stat, steal included: a vCPU its host runs elsewhere is as busy) less this
 process's own (time.process_time: all its threads) is the others' load, in CPUs. The threads are the CPUs the others
-leave, rounded (at least 1, at most the starting count), and a new count takes two looks in a row that agree, so a
+leave, rounded (at least 1, at most the process's count), and a new count takes two looks in a row that agree, so a
 load at the rounding's edge does not flap it. The thread count changes no result: every CPU kernel splits its work
-by outputs (rows, heads, blocks of output columns), never inside one sum (tests/test_model.py holds 1 and 2 threads
-to the same bits). A count given by the user (--threads, Engine.from_pretrained(threads=...)) is kept as given:
+by outputs (rows, heads, blocks of output columns), never inside one sum (tests/test_threads.py holds 1, 2 and 3
+threads to the same bits). `CpuLoad` also tells the cost curve's measurement whether other processes crowded its
+threads (tr_engine/core/cost.py: such a curve is not cached). A count given by the user (--threads, Engine.from_pretrained(threads=...)) is kept as given:
 benchmarks and research runs time a fixed one.
 """
 
@@ -25,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from tr_engine.checks import cpu_set
 
 PERIOD_S = 1.0  # seconds between looks at the CPUs
 # The count a follower set last, and its `most`: an engine made while torch's count is still a follower's doing starts
@@ -50,10 +53,6 @@ def threads_for(others: float, cpus: int, most: int) -> int:
     return max(1, min(most, math.ceil(cpus - others - 0.5)))
 
 
-def usable_cpus() -> set[int]:
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-
-
 def read_cpus(cpus: set[int]) -> tuple[float, float] | None:
     """(busy CPU seconds of `cpus` since boot, this process's CPU seconds), or None without /proc/stat."""
     try:
@@ -69,7 +68,7 @@ class CpuLoad:
     nothing to read, and others() is None); `now()` is the wall clock."""
 
     def __init__(self, read=None, now=time.monotonic, cpus: set[int] | None = None, start=None):
-        self.cpus = usable_cpus() if cpus is None else cpus
+        self.cpus = cpu_set() if cpus is None else cpus
         self.read, self.now = read or (lambda: read_cpus(self.cpus)), now
         self.at, self.first = start or (now(), self.read())
         self.end = None  # (the wall clock, the reading) of the last others()
