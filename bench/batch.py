@@ -1,7 +1,7 @@
 """Batched decoding's throughput and latency, side by side: batch sizes 1, 2, 4, 8, 16 × methods ar, tr, hybrid, pld,
 on the same dev-split questions, in one run per dtype.
 
-    python -m bench.batch [--dtypes bfloat16 float32] [--questions 16] [--max-new-tokens 128]
+    python -m bench.batch [--dtypes bfloat16 float32] [--questions 16] [--max-new-tokens 128] [--rounds 3]
     python -m bench.batch --questions-file bench/data/memory.jsonl --questions 52 --suffix-index 64 \
         --methods ar hybrid --dtypes bfloat16 --name batch_memory
 
@@ -12,7 +12,10 @@ over every token), speedup over batch-1 plain decoding and over plain decoding a
 every request's tokens equal its batch-1 plain decoding's. The recycling matrix (and with --suffix-index, the suffix
 index hybrid also drafts from) is warmed first on other questions (a file's own warm-up rows where it has them) and
 shared by tr and hybrid (hot, as in use); every configuration starts from that warm state, so none drafts from the
-answers an earlier configuration gave to the same questions. Writes NAME.{md,json,png} (default batch).
+answers an earlier configuration gave to the same questions. With --rounds R every configuration runs R times, the
+methods of a batch size in turn (each first in one round), and each row is its median round's: on a host whose speed
+moves 10-15% within minutes, one run of each configuration after another puts that into the ratios. Writes
+NAME.{md,json,png} (default batch).
 """
 
 import sys
@@ -73,6 +76,21 @@ class WarmState:
             self.engine.drafting.suffix.copy_(self.suffix)
 
 
+def baseline(engine, prompts, max_new_tokens: int) -> dict:
+    """Batch-1 plain decoding through generate(), today's single-sequence engine: the baseline row."""
+    t0 = time.perf_counter()
+    results = [engine.generate(p, max_new_tokens, method="ar") for p in prompts]
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in results)
+    prefill = sum(r.generation.prefill_s for r in results)
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "prefill_s": prefill,
+            "decode_tokens_per_s": tokens / (wall - prefill),
+            "request_tokens_per_s": percentile([r.tokens_per_s for r in results], 0.5),
+            "latency_ms_p50": 1e3 * percentile([r.generation.decode_s / max(1, r.generation.steps)
+                                                for r in results], 0.5),
+            "latency_ms_p99": None, "token_ids": [r.token_ids for r in results], "verify_tokens_per_step": 1.0}
+
+
 def run(args) -> dict:
     from bench.specbench import load_questions, warm_up_questions
     from tr_engine.engine import Engine
@@ -95,32 +113,28 @@ def run(args) -> dict:
         state = WarmState(engine)
         rows = {}
         for size in args.sizes:
-            for method in args.methods:
-                state.restore()
-                if size == 1 and method == "ar":  # the baseline: generate(), today's single-sequence engine
-                    t0 = time.perf_counter()
-                    results = [engine.generate(p, args.max_new_tokens, method="ar") for p in prompts]
-                    wall = time.perf_counter() - t0
-                    tokens = sum(len(r.token_ids) for r in results)
-                    prefill = sum(r.generation.prefill_s for r in results)
-                    row = {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "prefill_s": prefill,
-                           "decode_tokens_per_s": tokens / (wall - prefill),
-                           "request_tokens_per_s": percentile([r.tokens_per_s for r in results], 0.5),
-                           "latency_ms_p50": 1e3 * percentile([r.generation.decode_s / max(1, r.generation.steps)
-                                                               for r in results], 0.5),
-                           "latency_ms_p99": None, "token_ids": [r.token_ids for r in results],
-                           "verify_tokens_per_step": 1.0}
-                else:
-                    row = measure(engine, prompts, size, method, args.max_new_tokens)
+            tries = {method: [] for method in args.methods}
+            for r in range(args.rounds):  # the methods in turn, each first in one round: a slow spell hits them alike
+                for method in args.methods[r % len(args.methods) :] + args.methods[: r % len(args.methods)]:
+                    state.restore()
+                    row = (baseline(engine, prompts, args.max_new_tokens) if size == 1 and method == "ar"
+                           else measure(engine, prompts, size, method, args.max_new_tokens))
+                    tries[method].append(row)
+                    print(f"{dtype} batch {size} {method}: {row['tokens_per_s']:.1f} tok/s", file=sys.stderr,
+                          flush=True)
+            for method, got in tries.items():  # the round of median throughput (the lower middle of an even count)
+                row = sorted(got, key=lambda x: x["tokens_per_s"])[(len(got) - 1) // 2]
+                row["rounds_tokens_per_s"] = [x["tokens_per_s"] for x in got]
+                row["token_ids"] = [x["token_ids"] for x in got]
                 rows[f"{method}@{size}"] = row
-                print(f"{dtype} batch {size} {method}: {row['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
-        base, want = rows["ar@1"], rows["ar@1"]["token_ids"]
+        base, want = rows["ar@1"], rows["ar@1"]["token_ids"][0]
         for key, row in rows.items():
             same = rows.get(f"ar@{key.split('@')[1]}")  # plain decoding at the same batch size
             row["speedup_same_batch"] = row["tokens_per_s"] / same["tokens_per_s"] if same else None
             row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
             row["decode_speedup"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            row["identical"] = sum(a == b for a, b in zip(row.pop("token_ids"), want))
+            row["identical"] = sum(all(run[i] == b for run in row["token_ids"]) for i, b in enumerate(want))
+            del row["token_ids"]  # (every round's requests, each as its batch-1 plain decoding)
         out[dtype] = rows
     return out
 
@@ -128,13 +142,15 @@ def run(args) -> dict:
 def write(folder: Path, data: dict, info: dict, args) -> str:
     from bench.machine import machine_line, save_results
 
+    rounds = (f"; each row is the median of {args.rounds} rounds by total tok/s, the methods in turn in each "
+              "round (each first in one)") if args.rounds > 1 else ""
     index = (f"; hybrid also drafts from a suffix index of up to {args.suffix_index} MB (--suffix-index), warmed "
              "with the matrix") if args.suffix_index else ""
     lines = ["# Batched decoding: throughput and latency by batch size and method", "",
              f"{machine_line(info)}. {args.model}, {args.questions} questions of {Path(args.questions_file).name} "
              f"(first turns), greedy, {args.max_new_tokens} new tokens at most, {args.threads} threads; the matrix "
              f"warmed on {args.warmup} other questions{index}, and every configuration started from that warm "
-             "state. Speedup: total tokens/s over batch-1 plain decoding (`generate`), prefills included; vs ar: "
+             f"state{rounds}. Speedup: total tokens/s over batch-1 plain decoding (`generate`), prefills included; vs ar: "
              "over plain decoding at the same batch size. "
              "Decode: the same without the prefills' time (a request's prompt is prefilled alone, between steps, "
              "so nothing else decodes meanwhile): how the steps themselves scale. Latency: a step's time over the "
@@ -193,6 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--questions-file", type=Path, default=DEFAULT_QUESTIONS)
     ap.add_argument("--max-new-tokens", type=integer(1), default=128)
     ap.add_argument("--threads", type=integer(1), default=2)
+    ap.add_argument("--rounds", type=integer(1), default=1,
+                    help="runs of every configuration, the methods in turn; each row is its median round's")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--sizes", nargs="+", type=integer(1), default=list(SIZES), help="batch sizes (1 is needed)")
     ap.add_argument("--suffix-index", type=integer(0), default=0, metavar="MB",

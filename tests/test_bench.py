@@ -185,12 +185,15 @@ def test_batch_bench_on_a_tiny_model(tiny_factory, tmp_path):
     proc = bench_main("bench.batch", "--model", str(tiny_factory("bench-batch")), "--dtypes", "float32",
                       "--questions", "3", "--questions-file", str(warm), "--max-new-tokens", "5", "--threads", "1",
                       "--methods", "ar", "hybrid", "--sizes", "1", "2", "4", "--suffix-index", "1", "--name", "mem",
-                      "--out", str(tmp_path))
+                      "--rounds", "3", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "mem.json").read_text())["float32"]
     assert set(rows) == {f"{m}@{s}" for m in ("ar", "hybrid") for s in (1, 2, 4)}
-    assert all(r["identical"] == 3 for r in rows.values())
-    assert "3 questions of w.jsonl" in (tmp_path / "mem.md").read_text()
+    assert all(r["identical"] == 3 for r in rows.values())  # (in every round)
+    for r in rows.values():  # each row is its median round's
+        assert len(r["rounds_tokens_per_s"]) == 3 and r["tokens_per_s"] == sorted(r["rounds_tokens_per_s"])[1]
+    text = (tmp_path / "mem.md").read_text()
+    assert "3 questions of w.jsonl" in text and "the median of 3 rounds" in text
 
 
 def test_serve_bench_and_its_soak_on_a_tiny_model(tiny_factory, tmp_path):

@@ -82,7 +82,9 @@ class Engine:
     @property
     def cpu_threads(self) -> int | None:
         """The threads the CPU ops run on now (following the load unless given: `threads`); None off the CPU."""
-        return torch.get_num_threads() if self.model.device.type == "cpu" else None
+        if self.model.device.type != "cpu":
+            return None
+        return self.threads.threads if self.threads is not None else torch.get_num_threads()
 
     def drafter(self, method: str):
         """The engine's drafter for `method` (a registered drafter's name), made on first use; the drafters of
