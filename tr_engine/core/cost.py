@@ -17,9 +17,10 @@ The measurement is bounded (MEASURE_BUDGET_S, under 20 s with a second try on a 
 dearer than MAX_RELATIVE plain steps are not timed (no tree that big can pay; their cost is extrapolated), and a curve
 that is not monotone or was measured through a noisy spell (the plain step's own time moving by more than NOISE
 from pass to pass, or other processes keeping busy CPUs its threads need: /proc/stat) is measured again once, and if
-still doubtful used for this run only, never cached. A second try that times the same inversions alike, with no spell (`reproduced`), is trusted: the matmul
-kernels change tiles with the row count, so a bigger verify can really be cheaper than a smaller one (AVX2, float32,
-before the full tiles of 0acf380: 6 rows at 0.85x the time of 4), and such a curve would be measured at every start.
+still doubtful used for this run only, never cached. A second try that times the same inversions alike, with no
+spell (`reproduced`), is trusted: the matmul kernels change tiles with the row count, so a bigger verify can really
+be cheaper than a smaller one (AVX2, float32, before the full tiles of 0acf380: 6 rows at 0.85x the time of 4), and
+such a curve would be measured at every start.
 """
 
 import hashlib
@@ -64,7 +65,7 @@ PRIOR_PER_TOKEN = 0.12
 # A measurement on the CPU during which other processes kept busy CPUs its threads need (tr_engine/model/threads.py:
 # with 2 threads on 2 CPUs beside one busy process every op waits for the thread sharing a CPU, and a 2-token verify
 # timed at 10 plain steps) is doubtful. "0" in this variable leaves that check out: the test suite's two workers keep
-# each other's CPUs busy by design, and tests/test_threads.py tests the check itself.
+# each other's CPUs busy by design, and tests/test_adaptive.py tests the check itself.
 LOAD_CHECK_ENV = "TR_ENGINE_LOAD_CHECK"
 # How a curve is measured, in the cache key: a curve cached by an earlier way of measuring is measured again.
 # (2: each size priced against the plain step just before it.)

@@ -15,8 +15,8 @@ leave, rounded (at least 1, at most the process's count), and a new count takes 
 load at the rounding's edge does not flap it. The thread count changes no result: every CPU kernel splits its work
 by outputs (rows, heads, blocks of output columns), never inside one sum (tests/test_threads.py holds 1, 2 and 3
 threads to the same bits). `CpuLoad` also tells the cost curve's measurement whether other processes crowded its
-threads (tr_engine/core/cost.py: such a curve is not cached). A count given by the user (--threads, Engine.from_pretrained(threads=...)) is kept as given:
-benchmarks and research runs time a fixed one.
+threads (tr_engine/core/cost.py: such a curve is not cached). A count given by the user (--threads,
+Engine.from_pretrained(threads=...)) is kept as given: benchmarks and research runs time a fixed one.
 """
 
 import math
