@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.machine import copy_bandwidth, machine_info, machine_line, save_results
+from bench.machine import copy_bandwidth, machine_info, machine_line, multiply_add_peak, read_bandwidth, \
+    save_results
 from bench.shapes import SHAPES, projections
 from tr_engine.cli.args import integer
 from tr_engine.cli.common import ArgumentParser, run
@@ -77,10 +78,11 @@ def model_matmul_cases(ops, c, device):
             xs = {k: torch.randn(T, k, generator=g, device=device, dtype=dtype) for _, k in set(projections(c))}
             shape = f"T={T}, {len(weights)} projections ({sum(w.numel() for w in weights) / 1e6:.0f}M weights) {name}"
             moved = dtype.itemsize * sum(n * k + T * (n + k) for n, k in projections(c))  # weights, x, y
+            flops = 2 * T * sum(n * k for n, k in projections(c))
             stock = lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights]  # noqa: E731
             if cpu:
                 yield "packed_linear", shape, {
-                    "bytes": moved,
+                    "bytes": moved, "flops": flops,
                     "ours": lambda xs=xs: [ops.packed_linear(xs[w.shape[1]], p.data, p.n)
                                            for w, p in zip(weights, packed)],
                     "stock": stock,
@@ -88,7 +90,7 @@ def model_matmul_cases(ops, c, device):
                                                 for w, p in zip(weights, packed)]}
             if T <= 16:
                 yield "skinny_linear", shape, {
-                    "bytes": moved,
+                    "bytes": moved, "flops": flops,
                     "ours": lambda xs=xs: [ops.skinny_linear(xs[w.shape[1]], w) for w in weights], "stock": stock,
                     "reference": lambda xs=xs: [reference.skinny_linear(xs[w.shape[1]], w) for w in weights]}
         del weights, packed
@@ -162,29 +164,42 @@ def measure(device: str, shape: str, reps: int, only=None, log=print, config=Non
     (the ceiling of these memory-bound ops)."""
     ops = load_ops("kernels")
     peak = copy_bandwidth(device)
+    fma = multiply_add_peak() if device == "cpu" else None
+    read = read_bandwidth() if fma is not None else None  # (a matmul's weights are read, not copied)
     rows = []
     with torch.inference_mode():
         for op, what, impls in cases(ops, config or SHAPES[shape], device):
             if only and op not in only:
                 continue
-            moved = impls.pop("bytes")
+            moved, flops = impls.pop("bytes"), impls.pop("flops", None)
             reference_fn = impls.pop("reference")  # slow by design: fewer calls, timed on its own
             ms = {**median_ms(impls, reps, device), **median_ms({"reference": reference_fn}, max(reps // 5, 3), device)}
             gb_s = moved / (ms["ours"] / 1e3) / 1e9
             rows.append({"op": op, "shape": what, **{f"{k}_ms": v for k, v in ms.items()},
                          "vs_stock": ms["stock"] / ms["ours"], "vs_reference": ms["reference"] / ms["ours"],
                          "bytes": moved, "gb_s": gb_s, "peak_gb_s": peak, "of_peak": gb_s / peak})
+            if flops is not None and fma is not None:  # the roofline: the larger of the memory and compute floors
+                floors = {"memory": 1e3 * moved / (read * 1e9), "compute": 1e3 * flops / (fma * 1e9)}
+                bound = max(floors, key=floors.get)
+                rows[-1].update(flops=flops, gflops=flops / ms["ours"] / 1e6, fma_gflops=fma, read_gb_s=read,
+                                of_fma=flops / ms["ours"] / 1e6 / fma, floor_ms=floors[bound], bound=bound,
+                                of_floor=floors[bound] / ms["ours"])
             log(f"{op:16} {what:45} ours {ms['ours']:8.3f} ms  stock {ms['stock']:8.3f} ms  "
-                f"({rows[-1]['vs_stock']:.2f}x)  {gb_s:7.1f} GB/s ({gb_s / peak:.0%} of {peak:.0f})")
+                f"({rows[-1]['vs_stock']:.2f}x)  {gb_s:7.1f} GB/s ({gb_s / peak:.0%} of {peak:.0f})"
+                + (f"  {rows[-1]['gflops']:6.1f} GFLOPS ({rows[-1]['of_fma']:.0%} of {fma:.0f}), "
+                   f"{rows[-1]['of_floor']:.0%} of its {rows[-1]['bound']} floor" if "gflops" in rows[-1] else ""))
     return rows
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| op | shape | ours ms | stock PyTorch ms | ours vs stock | reference ms | ours GB/s | of copy peak |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| op | shape | ours ms | stock PyTorch ms | ours vs stock | reference ms | ours GB/s | of copy peak | "
+             "ours GFLOPS | of FMA peak | floor ms | of floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        roof = (f"{r['gflops']:.1f} | {r['of_fma']:.0%} | {r['floor_ms']:.3f} ({r['bound']}) | {r['of_floor']:.0%}"
+                if "gflops" in r else " |  |  | ")
         lines.append(f"| {r['op']} | {r['shape']} | {r['ours_ms']:.3f} | {r['stock_ms']:.3f} | {r['vs_stock']:.2f}x | "
-                     f"{r['reference_ms']:.3f} | {r['gb_s']:.1f} | {r['of_peak']:.0%} |")
+                     f"{r['reference_ms']:.3f} | {r['gb_s']:.1f} | {r['of_peak']:.0%} | {roof} |")
     return lines
 
 
@@ -223,7 +238,13 @@ def main(argv=None) -> int:
              f"Machine: {machine_line(info)}. Median of {args.reps} calls (references: fewer)"
              + (", each synchronised." if args.device == "cuda" else ".")
              + (f" GB/s: the fewest bytes a call must move over its time, against the {rows[0]['peak_gb_s']:.0f} "
-                "GB/s copy bandwidth measured in the same run." if rows else ""), "", *table(rows)]
+                "GB/s copy bandwidth measured in the same run." if rows else "")
+             + (f" GFLOPS (the matmuls): 2 x rows x weights over the time, against the tier's multiply-add peak on "
+                f"these threads, {rows[-1]['fma_gflops']:.0f} GFLOPS (bench.machine.multiply_add_peak: independent "
+                "chains of the kernels' own vector multiply-adds, no memory). Floor: the larger of the memory floor "
+                f"(bytes / the read bandwidth, {rows[-1]['read_gb_s']:.0f} GB/s, bench.machine.read_bandwidth) and "
+                "the compute floor (FLOPs / FMA peak), the roofline; of floor = floor / ours."
+                if any("gflops" in r for r in rows) else ""), "", *table(rows)]
     lines += ["", "stock: tree attention = `scaled_dot_product_attention` with a boolean mask, the query heads of "
               "each KV head folded into rows (as the model does without the op); recycle = `topk` + indexed "
               "assignment (its duplicate winner is unspecified); compaction = `index_select` + copy; skinny_linear "

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench.shapes import SHAPES, projections
 from cli import assert_one_line_error, call_main, run_module
 
 
@@ -112,6 +113,19 @@ def test_kernels_bench_at_the_tiny_shape(tmp_path):
     assert all(r["ours_ms"] > 0 and r["stock_ms"] > 0 and r["reference_ms"] > 0 for r in rows)
     assert all(r["gb_s"] == pytest.approx(r["bytes"] / r["ours_ms"] / 1e6) and r["of_peak"] > 0 for r in rows)
     assert "(tiny shapes)" in (tmp_path / f"{stem}.md").read_text()
+    # The matmuls' roofline: their FLOPs against the tier's multiply-add peak, the floor the larger of the two.
+    matmuls = [r for r in rows if r["op"].endswith("_linear") and "projections" in r["shape"]]
+    assert matmuls and all("gflops" not in r for r in rows if r not in matmuls)
+    for r in matmuls:
+        T = int(r["shape"].split(",")[0].removeprefix("T="))
+        assert r["flops"] == 2 * T * sum(n * k for n, k in projections(SHAPES["tiny"]))
+        assert r["gflops"] == pytest.approx(r["flops"] / r["ours_ms"] / 1e6)
+        assert r["of_fma"] == pytest.approx(r["gflops"] / r["fma_gflops"])
+        floors = {"memory": r["bytes"] / r["read_gb_s"] / 1e6, "compute": r["flops"] / r["fma_gflops"] / 1e6}
+        assert r["bound"] == max(floors, key=floors.get)
+        assert r["floor_ms"] == pytest.approx(floors[r["bound"]]) and r["of_floor"] == pytest.approx(
+            r["floor_ms"] / r["ours_ms"])
+    assert "multiply-add peak" in (tmp_path / f"{stem}.md").read_text()
 
 
 def test_kernels_bench_takes_its_shapes_from_a_model(tiny_factory, tmp_path):

@@ -7,6 +7,7 @@ avx512bf16 runs: its very code but for the bf16 dot product); here: choosing, th
 harness without torch (on aarch64 NEON too, under qemu) and every decoding method against plain decoding."""
 
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -50,6 +51,16 @@ def test_the_default_is_the_best_tier_this_cpu_runs(monkeypatch):
     assert cpu.choose() == cpu.runnable()[0]
     assert [t.name for t in cpu.runnable()] == [t.name for t in cpu.TIERS if t.name in CPU_TIERS]
     assert CPU_TIERS[-1] == "scalar"  # the last resort runs anywhere
+
+
+def test_every_tier_measures_its_multiply_add_peak(cpu_tier):
+    """cpu.multiply_add_peak: the active tier's independent vector multiply-adds on torch's threads, timed (the
+    compute floor bench.kernels sets the matmuls against); no work is a one-line error."""
+    assert cpu.active() == cpu_tier
+    rate = cpu.multiply_add_peak(2)
+    assert math.isfinite(rate) and rate > 0
+    with pytest.raises(RuntimeError, match="units must be positive, got 0"):
+        cpu.multiply_add_peak(0)
 
 
 @pytest.mark.parametrize("name", CPU_TIERS)

@@ -104,8 +104,8 @@ def op_device_cases():
                 yield pytest.param(name, device, marks=marks, id=f"{name}-{device}")
 
 
-# The ops that choose the CPU kernel tier (tests/test_cpu_tiers.py): no tensors, no reference.
-TIER_OPS = {"cpu_features", "use_cpu_tier", "cpu_tier"}
+# The ops that choose the CPU kernel tier and measure its peak (tests/test_cpu_tiers.py): no tensors, no reference.
+TIER_OPS = {"cpu_features", "use_cpu_tier", "cpu_tier", "multiply_add_peak"}
 
 
 def test_every_registered_op_has_a_contract_case():

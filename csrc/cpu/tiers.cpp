@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <mutex>
 
@@ -79,6 +80,17 @@ void use_cpu_tier(const std::string& name, const std::string& path, const std::v
   }
   TORCH_CHECK(name == table->tier, "tr_engine: ", path, " holds the tier ", table->tier, ", not ", name);
   active.store(table, std::memory_order_release);
+}
+
+// The active tier's multiply-add rate in GFLOPS: `units` units of its peak loop (kernels/peak.h) over the thread pool,
+// timed.
+double multiply_add_peak(int64_t units) {
+  TORCH_CHECK(units > 0, "multiply_add_peak: units must be positive, got ", units);
+  const Kernels& k = kernels();
+  const auto start = std::chrono::steady_clock::now();
+  const double flops = k.multiply_adds(units);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return flops / seconds / 1e9;
 }
 
 std::string cpu_tier() {

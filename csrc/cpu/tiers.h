@@ -47,6 +47,7 @@ S* data(const at::Tensor& t) {
 std::vector<std::string> cpu_features();
 void use_cpu_tier(const std::string& name, const std::string& path, const std::vector<std::string>& needs);
 std::string cpu_tier();
+double multiply_add_peak(int64_t units);
 
 }  // namespace tr_engine_cpu
 

@@ -142,6 +142,13 @@ def active() -> str:
         return ""
 
 
+def multiply_add_peak(units: int) -> float:
+    """The active tier's arithmetic rate in GFLOPS: `units` units of independent multiply-add chains on every thread
+    of torch's pool, timed (csrc/cpu/kernels/peak.h). A benchmark's compute floor; bench.machine takes the best of a
+    few runs."""
+    return _ops().multiply_add_peak(units)
+
+
 def tier_of(ops, device) -> str | None:
     """The tier an ops namespace runs on `device`: this tier's name for the compiled kernels, "reference" for the
     pure-PyTorch ops, None off the CPU."""

@@ -13,7 +13,7 @@ namespace tr_engine_cpu {
 
 // Raised whenever this file changes what a table holds: the op library refuses a tier library of another version
 // (a stale build) instead of calling through a table it would misread.
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 // Output rows per block of a packed weight (pack_linear's layout, the same on every tier).
 constexpr int64_t kPackBlock = 32;
@@ -107,6 +107,9 @@ struct Kernels {
   TypedKernels<double> float64;
   TypedKernels<bf16> bfloat16;
   TypedKernels<f16> float16;
+  // `units` fixed units of independent multiply-adds over the thread pool (peak.h); returns the FLOPs done, for the
+  // caller to time: the tier's arithmetic peak.
+  double (*multiply_adds)(int64_t units);
 };
 
 // The table's entries for element type T.

@@ -7,6 +7,7 @@
 #include "layers.h"
 #include "linear.h"
 #include "parallel.h"
+#include "peak.h"
 #include "rows.h"
 #include "simd.h"
 
@@ -28,7 +29,7 @@ constexpr TypedKernels<T> typed_kernels() {
 }
 
 const Kernels kTable{kAbiVersion, kTier, typed_kernels<float>(), typed_kernels<double>(), typed_kernels<bf16>(),
-                     typed_kernels<f16>()};
+                     typed_kernels<f16>(), &multiply_adds};
 
 }  // namespace
 }  // namespace tr_engine_cpu
