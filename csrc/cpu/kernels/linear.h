@@ -44,17 +44,11 @@ constexpr int kPackRows = std::min(8, (kRegisters - kNarrowVecs - 1) / kNarrowVe
 constexpr int64_t kRowChunk = 192;  // rows of x per pass over w, so x's chunk stays in L2 for a long prefill
 static_assert(kPackBlock % (kNarrowVecs * kLanes) == 0, "a pass covers a whole number of a block's outputs");
 
-// The vectors per pass for a tile of R rows: a whole block if its accumulators, `per_vec` weight registers per vector
-// of outputs and `fixed` more (the broadcasts) fit, else 16 outputs. (float32, float16: one weight vector each, one
-// broadcast; bf16 widened: a pair's even and odd weights, two broadcasts.)
-constexpr int vecs_for(int R, int per_vec, int fixed) {
-  return R * kWideVecs + per_vec * kWideVecs + fixed <= kRegisters ? kWideVecs : kNarrowVecs;
-}
-
-// ... of a tile of R rows, for float32, float16 and widened bf16 (one weight vector per vector of outputs, one
-// broadcast) or bf16 pairs widened in registers (`pairs`: even and odd weights, two broadcasts). Each tile of a
-// block takes its own: with AVX2 a last tile of 1-2 rows covers the whole block in one pass.
-constexpr int tile_vecs(int R, bool pairs) { return vecs_for(R, pairs ? 2 : 1, pairs ? 2 : 1); }
+// The vectors per pass for a tile of R rows: a whole block if its accumulators, one weight vector per vector of
+// outputs and one broadcast fit the registers, else 16 outputs. (Every pass holds that much at a time: bf16 pairs
+// widened in registers take a group's even weights, then its odd ones: pass_bf16.) Each tile of a block takes its
+// own: with AVX2 a last tile of 1-2 rows covers the whole block in one pass.
+constexpr int tile_vecs(int R) { return R * kWideVecs + kWideVecs + 1 <= kRegisters ? kWideVecs : kNarrowVecs; }
 
 // How a verify's rows are cut into tiles, where the block is covered a K-chunk at a time (block_in_chunks: float32,
 // widened bf16). With AVX2's 16 registers, full tiles of kPackRows (6) rows and the rest in the last: a tile of 6 rows
@@ -62,8 +56,9 @@ constexpr int tile_vecs(int R, bool pairs) { return vecs_for(R, pairs ? 2 : 1, p
 // multiply-add units busy through the loads. All of SmolLM2's float32 projections and head, AMD EPYC (Zen 3) with 2
 // threads, against near-equal tiles, alternated in one process: 7 rows 0.92x the time, 8 rows 0.81x, 9 0.93x, 13-14
 // 0.87x; 10, 16 and 24 rows as fast. f16 and bf16 pairs (a whole block per pass, no K-chunks) keep near-equal tiles:
-// full ones measured mixed there (f16 0.9x at 7-8 rows, 1.04x at 9 and 13; a 6-row tile of bf16 pairs does not fit
-// the registers). Elsewhere (32 registers: 8-row tiles of 16 accumulators) near-equal tiles, not measured against.
+// full ones measured mixed there (f16 0.9x at 7-8 rows, 1.04x at 9 and 13; bf16 pairs 0.92-0.94x at 7-8, 1.03-1.05x
+// at 9-10, 0.93-0.97x at 13-14, as fast at 16). Elsewhere (32 registers: 8-row tiles of 16 accumulators) near-equal
+// tiles, not measured against.
 constexpr bool kFullTiles = kRegisters < 32;
 
 // The rows of tile g of `tiles` over `rows` rows of x, from row t on: `full` tiles of kPackRows rows, the rest in the
@@ -73,10 +68,10 @@ inline int tile_rows(int64_t rows, int64_t tiles, int64_t t, int64_t g, bool ful
 }
 
 // The passes over a block of `valid` outputs for `rows` rows of x in `tiles` tiles.
-inline int64_t block_passes(int64_t rows, int64_t tiles, int valid, bool pairs, bool full) {
+inline int64_t block_passes(int64_t rows, int64_t tiles, int valid, bool full) {
   int64_t passes = 0;
   for (int64_t g = 0, t = 0; g < tiles; ++g) {
-    const int r = tile_rows(rows, tiles, t, g, full), per_pass = tile_vecs(r, pairs) * kLanes;
+    const int r = tile_rows(rows, tiles, t, g, full), per_pass = tile_vecs(r) * kLanes;
     passes += (valid + per_pass - 1) / per_pass;
     t += r;
   }
@@ -213,34 +208,48 @@ TR_ENGINE_PASS void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t gr
 
 // One pass over a block of bf16 weights (P = 2: a group is the 32 outputs' pairs of weights of input columns 2k and
 // 2k + 1, as 32-bit words). With the AVX512-BF16 dot product: x's pair broadcast, both products into each lane in
-// one instruction. Elsewhere: each word widened to its even and odd weights (exact), then two multiply-adds into the
-// output's one accumulator, the even column first; x as floats. (Two accumulators per output, even and odd, would
-// shorten the chains of a one-row tile, but then the sum's order would depend on the tile: not row-independent.)
+// one instruction (xb: x's rows as bf16). Elsewhere: the group's words widened to their even weights (exact) and
+// multiplied into every row's accumulators, then widened again from L1 to their odd weights, and the same: each
+// output takes the even column first, then the odd one, into its one accumulator; x as floats, the tile's rows side
+// by side for each column (xt: tiles_as_float). (Two accumulators per output, even and odd, would shorten the chains
+// of a one-row tile, but then the sum's order would depend on the tile: not row-independent.)
+// Widening both halves at once held twice the weight vectors and two broadcasts: with AVX2's 16 registers a tile of
+// 4 rows by 16 outputs (8 accumulators, each a chain of two dependent multiply-adds per group) was the most that fit,
+// too few chains for the multiply-add units; a half at a time, tiles of 5-6 rows fit (10-12 accumulators). And with
+// x's rows apart by ldx, each row's broadcast needed an address register of its own, and the tile's rows did not fit
+// the general registers either; side by side, one pointer and constant offsets. SmolLM2's projections, AMD EPYC (Zen
+// 3), 2 threads, alternated in one process against both halves at once from x's rows: 2 rows 0.90x the time, 4 rows
+// 0.90x, 6 0.87x, 8 0.85x, 10 0.68x, 12 0.74x, 16-32 0.74-0.79x (then against widening once per chunk: kWidenRows);
+// one row as fast. (The halves' weights in arrays of their own: one array reused for both, GCC kept the
+// accumulators in memory, a store after every multiply-add, 1.2-1.7x slower.)
 template <int R, int V, bool carried = false, typename Y>
-TR_ENGINE_PASS void pass_bf16(const float* xf, const bf16* xb, int64_t ldx, const bf16* wb, int64_t groups, Y* y,
+TR_ENGINE_PASS void pass_bf16(const float* xt, const bf16* xb, int64_t ldx, const bf16* wb, int64_t groups, Y* y,
                               int64_t ldy, int c0, int valid, const Prefetch& plan, float* sums = nullptr) {
   Prefetcher prefetcher(plan, groups);
   Vec acc[R][V];
   start_tile<carried>(acc, sums, c0);
   over_groups(groups, 2 * kPackBlock * sizeof(bf16), reinterpret_cast<const char*>(wb), prefetcher, [&](int64_t k) {
-    const bf16* group = wb + k * 2 * kPackBlock;
+    const bf16* group = wb + k * 2 * kPackBlock + 2 * c0;
     if constexpr (kBf16Dot) {
       Vec w[V];
-      for (int v = 0; v < V; ++v) w[v] = load_words(group + 2 * (c0 + v * kLanes));
+      for (int v = 0; v < V; ++v) w[v] = load_words(group + 2 * v * kLanes);
       for (int r = 0; r < R; ++r) {
         const Vec pair = broadcast_word(xb + r * ldx + 2 * k);
         for (int v = 0; v < V; ++v) acc[r][v] = dot_pairs(acc[r][v], pair, w[v]);
       }
     } else {
+      const float* x_even = xt + 2 * k * R;  // column 2k's R rows, then column 2k + 1's
+      const float* x_odd = x_even + R;
       Vec w_even[V], w_odd[V];
-      for (int v = 0; v < V; ++v) {
-        const Vec words = load_words(group + 2 * (c0 + v * kLanes));
-        w_even[v] = even(words);
-        w_odd[v] = odd(words);
-      }
+      for (int v = 0; v < V; ++v) w_even[v] = even(load_words(group + 2 * v * kLanes));
       for (int r = 0; r < R; ++r) {
-        const Vec x_even = broadcast(xf[r * ldx + 2 * k]), x_odd = broadcast(xf[r * ldx + 2 * k + 1]);
-        for (int v = 0; v < V; ++v) acc[r][v] = mul_add(x_odd, w_odd[v], mul_add(x_even, w_even[v], acc[r][v]));
+        const Vec xr = broadcast(x_even[r]);
+        for (int v = 0; v < V; ++v) acc[r][v] = mul_add(xr, w_even[v], acc[r][v]);
+      }
+      for (int v = 0; v < V; ++v) w_odd[v] = odd(load_words(group + 2 * v * kLanes));
+      for (int r = 0; r < R; ++r) {
+        const Vec xr = broadcast(x_odd[r]);
+        for (int v = 0; v < V; ++v) acc[r][v] = mul_add(xr, w_odd[v], acc[r][v]);
       }
     }
   });
@@ -261,6 +270,22 @@ const float* rows_as_float(const T* x, int64_t ldx, int64_t rows) {
   }
 }
 
+// x's rows t0..t0+rows-1 as floats for pass_bf16's widened pairs: tile by tile (`tiles` near-equal tiles:
+// tile_rows), each of the tile's K columns its r rows side by side, so the tile from row t starts at t * K. In a
+// buffer the calling thread keeps.
+inline const float* tiles_as_float(const bf16* x, int64_t ldx, int64_t rows, int64_t tiles, int64_t K) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < rows * K) buffer.resize(rows * K);
+  for (int64_t g = 0, t = 0; g < tiles; ++g) {
+    const int r = tile_rows(rows, tiles, t, g, false);
+    float* tile = buffer.data() + t * K;
+    for (int64_t c = 0; c < K; ++c)
+      for (int i = 0; i < r; ++i) tile[c * r + i] = to_float(x[(t + i) * ldx + c]);
+    t += r;
+  }
+  return buffer.data();
+}
+
 // A block of float32 weights that takes several passes (more rows than one tile, or outputs than one pass) is
 // covered a K-chunk at a time: every pass over one chunk of the block's groups, then the next chunk, each pass's sums
 // carried from chunk to chunk as floats (start_tile). The chunk, read from memory by its first pass, is still in L1 for
@@ -277,9 +302,10 @@ const float* rows_as_float(const T* x, int64_t ldx, int64_t rows) {
 constexpr int64_t kChunkFloats = 4096;  // 16 KB: a chunk's weights as the passes read them (L1: 32-48 KB)
 // Rows of x past which bf16 pairs (without the dot product) are widened once per chunk; below, they are
 // widened in registers by every pass, a whole block at a time (in chunks they ran slower). Measured on AVX2,
-// SmolLM2's projections, alternated in one process: widening once per chunk against in registers 1.25x slower at 6
-// rows, 1.12x at 8, as fast at 12, 1.12x faster at 16, 1.2x at 32.
-constexpr int kWidenRows = 12;
+// SmolLM2's projections, alternated in one process, pass_bf16's pairs against widening once per chunk: 0.85x the time
+// at 13-18 rows, 0.89x at 24-48, 0.95x at 64, as fast at 96 (the chunks' floats stay in L1; a block's passes
+// read its pairs from L2 again).
+constexpr int kWidenRows = 64;
 
 // Whether many rows' passes read a chunk widened into floats (bf16 without the dot product).
 template <typename T>
@@ -315,13 +341,12 @@ template <bool as_floats, typename T>
 void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int64_t groups, T* y, int64_t N,
                      int64_t rows, int64_t tiles, int valid, bool first, const T* next_block) {
   constexpr int64_t P = pack_width<T>();
-  constexpr bool pairs = std::is_same_v<T, bf16> && !kBf16Dot && !as_floats;  // widened in registers
   constexpr bool chunked = as_floats || std::is_same_v<T, float>;  // (others: the whole block is one chunk)
   constexpr bool full = chunked && kFullTiles;
   constexpr int64_t group_bytes = kPackBlock * P * static_cast<int64_t>(sizeof(T));
   const int64_t most = chunked ? std::max<int64_t>(1, kChunkFloats / (kPackBlock * P)) : groups;
   const int64_t chunks = (groups + most - 1) / most, per_chunk = (groups + chunks - 1) / chunks;  // near-equal
-  const int64_t passes = block_passes(rows, tiles, valid, pairs, full);
+  const int64_t passes = block_passes(rows, tiles, valid, full);
   thread_local std::vector<float> sums_buffer, wide_buffer;
   float* const sums = chunks > 1 ? cache_lines(sums_buffer, rows * kPackBlock) : nullptr;
   float* const wide = as_floats ? cache_lines(wide_buffer, per_chunk * kPackBlock * P) : nullptr;
@@ -347,7 +372,7 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
         float* tile_sums = sums != nullptr ? sums + t * kPackBlock : nullptr;
         T* yt = y + t * N;
         with_rows<kPackRows>(r, [&](auto rows_constant) {
-          constexpr int R = decltype(rows_constant)::value, V = tile_vecs(R, pairs);
+          constexpr int R = decltype(rows_constant)::value, V = tile_vecs(R);
           if (c0 % (V * kLanes) != 0) return;  // (a tile of whole-block passes covered the block at c0 = 0)
           Prefetch plan;
           plan.lead = first && c == 0 && pass == 0 && !as_floats;
@@ -362,7 +387,7 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
               pass_p1<R, V, C>(xf + t * ldx + g0 * P, ldx, wide, (g1 - g0) * P, yt, N, c0, valid, plan,
                                tile_sums);
             else if constexpr (std::is_same_v<T, bf16>)
-              pass_bf16<R, V, C>(xf ? xf + t * ldx + 2 * g0 : nullptr, x + t * ldx + 2 * g0, ldx, wc,
+              pass_bf16<R, V, C>(xf ? xf + t * groups * P + g0 * P * R : nullptr, x + t * ldx + g0 * P, ldx, wc,
                                  g1 - g0, yt, N, c0, valid, plan, tile_sums);
             else
               pass_p1<R, V, C>(xf + t * ldx + g0, ldx, wc, g1 - g0, yt, N, c0, valid, plan, tile_sums);
@@ -397,12 +422,18 @@ void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64
   constexpr bool floats = !(bf16_pairs && kBf16Dot);  // whether the passes read x as floats
   for (int64_t t0 = 0; t0 < rows; t0 += kRowChunk) {
     const int64_t chunk = std::min(kRowChunk, rows - t0);
-    const float* xf = floats ? rows_as_float(x + t0 * ldx, ldx, chunk) : nullptr;
-    // bf16 pairs without the dot product are widened in registers (even and odd weights, two broadcasts: vecs_for)
-    // up to kWidenRows rows; more rows of them read a chunk widened into floats once.
+    // bf16 pairs without the dot product are widened in registers (pass_bf16) up to kWidenRows rows; more rows of
+    // them read a chunk widened into floats once.
     const bool as_floats = widens<T>() && chunk > kWidenRows;
-    const bool pairs = bf16_pairs && !kBf16Dot && !as_floats;
     const int64_t tiles = (chunk + kPackRows - 1) / kPackRows;
+    // x as the passes read it: its rows as floats, or tile by tile for pairs widened in registers (nothing for the
+    // dot product's pairs: x as it is).
+    const float* xf = nullptr;
+    if constexpr (widens<T>())
+      xf = as_floats ? rows_as_float(x + t0 * ldx, ldx, chunk)
+                     : tiles_as_float(x + t0 * ldx, ldx, chunk, tiles, 2 * groups);
+    else if constexpr (floats)
+      xf = rows_as_float(x + t0 * ldx, ldx, chunk);
     parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int valid = static_cast<int>(std::min(kPackBlock, N - b * kPackBlock));
@@ -414,14 +445,14 @@ void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64
                                        next_block);
           continue;
         }
-        if (block_passes(chunk, tiles, valid, pairs, kFullTiles && std::is_same_v<T, float>) > 1) {
+        if (block_passes(chunk, tiles, valid, kFullTiles && std::is_same_v<T, float>) > 1) {
           block_in_chunks<false>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid, b == b0, next_block);
           continue;
         }
         Prefetch plan;
         plan.lead = true;  // (its stream runs on into the next block)
         with_rows<kPackRows>(static_cast<int>(chunk), [&](auto rows_constant) {
-          constexpr int R = decltype(rows_constant)::value, V = tile_vecs(R, bf16_pairs && !kBf16Dot);
+          constexpr int R = decltype(rows_constant)::value, V = tile_vecs(R);
           if constexpr (bf16_pairs)
             pass_bf16<R, V>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, 0, valid, plan);
           else
