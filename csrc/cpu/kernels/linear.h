@@ -252,20 +252,12 @@ TR_ENGINE_PASS void pass_bf16(const float* xt, const bf16* xb, int64_t ldx, cons
   over_groups(groups, 2 * kPackBlock * sizeof(bf16), reinterpret_cast<const char*>(wb), prefetcher, [&](int64_t k) {
     const bf16* group = wb + k * 2 * kPackBlock + 2 * c0;
     if constexpr (kBf16Dot) {
-      if constexpr (weights_first<R, V>()) {
-        Vec w[V];
-        for (int v = 0; v < V; ++v) w[v] = load_words(group + 2 * v * kLanes);
-        for (int r = 0; r < R; ++r) {
-          const Vec pair = broadcast_word(xb + r * ldx + 2 * k);
-          for (int v = 0; v < V; ++v) acc[r][v] = dot_pairs(acc[r][v], pair, w[v]);
-        }
-      } else {
-        Vec pairs[R];
-        for (int r = 0; r < R; ++r) pairs[r] = broadcast_word(xb + r * ldx + 2 * k);
-        for (int v = 0; v < V; ++v) {
-          const Vec w = load_words(group + 2 * v * kLanes);
-          for (int r = 0; r < R; ++r) acc[r][v] = dot_pairs(acc[r][v], pairs[r], w);
-        }
+      static_assert(weights_first<R, V>(), "AVX-512 (the dot product's tier, 32 registers) fits any tile");
+      Vec w[V];
+      for (int v = 0; v < V; ++v) w[v] = load_words(group + 2 * v * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const Vec pair = broadcast_word(xb + r * ldx + 2 * k);
+        for (int v = 0; v < V; ++v) acc[r][v] = dot_pairs(acc[r][v], pair, w[v]);
       }
     } else {
       const float* x_even = xt + 2 * k * R;  // column 2k's R rows, then column 2k + 1's
@@ -315,8 +307,8 @@ const float* rows_as_float(const T* x, int64_t ldx, int64_t rows) {
 }
 
 // x's rows t0..t0+rows-1 as floats for pass_bf16's widened pairs: tile by tile (`tiles` near-equal tiles:
-// tile_rows), each of the tile's K columns its r rows side by side, so the tile from row t starts at t * K. In a
-// buffer the calling thread keeps.
+// tile_rows, the cut block_in_chunks makes of them, whose pairs are not chunked), each of the tile's K columns its r
+// rows side by side, so the tile from row t starts at t * K. In a buffer the calling thread keeps.
 inline const float* tiles_as_float(const bf16* x, int64_t ldx, int64_t rows, int64_t tiles, int64_t K) {
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < rows * K) buffer.resize(rows * K);
