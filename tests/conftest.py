@@ -80,16 +80,13 @@ def runnable_cpu_tiers() -> list[str]:
 
 
 CPU_TIERS = runnable_cpu_tiers()
-# The tiers each kernel test runs on. Where avx512bf16 runs, avx512 is its very code but for the bf16 dot product
-# (bf16 widened, as avx2 does it): there its tests are the kernel harness and every method against plain decoding
-# (tests/test_cpu_tiers.py), not every kernel test a third time (a minute of `make test`).
-KERNEL_TEST_TIERS = [t for t in CPU_TIERS if not (t == "avx512" and "avx512bf16" in CPU_TIERS)]
 
 
-@pytest.fixture(params=KERNEL_TEST_TIERS)
+@pytest.fixture(params=CPU_TIERS)
 def cpu_tier(request):
-    """Runs a test once per CPU tier in KERNEL_TEST_TIERS (every tier this machine can run but a duplicate), with that
-    tier's kernels behind every CPU op (then the tier before), on at least two threads. A module opts in whole with
+    """Runs a test once per CPU tier this machine can run (on AVX-512: avx512bf16, avx512, avx2 and scalar, each its
+    own code: avx512 widens bf16 in AVX-512 tiles, which no other tier does), with that tier's kernels behind every
+    CPU op (then the tier before), on at least two threads. A module opts in whole with
     `pytestmark = pytest.mark.usefixtures("cpu_tier")`."""
     from tr_engine.model import cpu
 

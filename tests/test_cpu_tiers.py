@@ -1,10 +1,9 @@
 """The CPU kernel tiers (tr_engine/model/cpu.py, csrc/cpu/tiers.cpp, csrc/cpu/kernels/): one kernel source built for
 every instruction set of the architecture, the best this CPU runs chosen when the ops load (or TR_ENGINE_CPU's), each
-tier
-exact by itself, and a build that runs on CPUs with fewer features than the one that built it. The kernels' own tests
-(tests/test_<op>.py, the op contract) run once per tier through conftest's cpu_tier fixture (but avx512 where
-avx512bf16 runs: its very code but for the bf16 dot product); here: choosing, the build, and on every tier a kernel
-harness without torch (on aarch64 NEON too, under qemu) and every decoding method against plain decoding."""
+tier exact by itself, and a build that runs on CPUs with fewer features than the one that built it. The kernels' own
+tests (tests/test_<op>.py, the op contract) run once per tier through conftest's cpu_tier fixture; here: choosing,
+the build, and on every tier a kernel harness without torch (on aarch64 NEON too, under qemu) and every decoding
+method against plain decoding."""
 
 import json
 import math
