@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from curves import CPU_LIKE, FREE, LINEAR, curve
-from tr_engine.core.adaptive import DEPTHS, EDGES, AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, \
+from tr_engine.core.adaptive import CONTEXTS, DEPTHS, EDGES, AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, \
     confidence_bin
 from tr_engine.core.batch import speculative_generate
 from tr_engine.core.cost import BUCKETS, PREFIXES, PRIOR_PER_TOKEN, CostModel, cost_key, cost_path
@@ -93,9 +93,10 @@ def sure_chain(vocab: int = 64, k: int = 8) -> RecyclingMatrix:
                         for t in range(vocab)}, k, vocab)
 
 
-def trained(trees: AdaptiveTrees, k: int = 8) -> AdaptiveTrees:
-    for _ in range(300):  # confident candidates are always right, the others never
-        trees.observe([list(range(k))] * 6, [[0.97] + [0.004] * (k - 1)] * 6, [0] * 6)
+def trained(trees: AdaptiveTrees, k: int = 8, contexts=range(len(CONTEXTS))) -> AdaptiveTrees:
+    for _ in range(300):  # confident candidates are always right, the others never (in each of these contexts)
+        for context in contexts:
+            trees.observe([list(range(k))] * 6, [[0.97] + [0.004] * (k - 1)] * 6, [0] * 6, context)
     return trees
 
 
@@ -185,6 +186,38 @@ def test_chain_tokens_the_tree_already_drafts_are_not_charged_twice():
     # Counted twice, as before this rule, those three would have looked worth 2.4 more tokens.
     other, k = plan(trees, m, chain=[40, 41, 42], values=[0.9, 0.8, 0.7])  # a chain off the tree: charged
     assert trees.expected > alone + 1.0 and len(k) >= 1
+
+
+def test_the_matrix_is_priced_by_what_it_showed_in_the_context_it_drafts_in():
+    """Its candidates learned right when the matrix drafts alone and wrong beside another source's: a step with a chain
+    drafts the chain and no matrix node; one without drafts the matrix's sure path, as before."""
+    trees = trained(AdaptiveTrees(CPU_LIKE), contexts=[0])
+    for _ in range(300):
+        trees.observe([list(range(8))] * 6, [[0.97] + [0.004] * 7] * 6, [99] * 6, 1)
+    m = sure_chain()
+    alone, _ = plan(trees, m)
+    assert alone.size > 4
+    beside, chosen = plan(trees, m, chain=[40, 41, 42], values=[0.9, 0.8, 0.7])
+    assert beside.size == 1 and chosen == [1, 2, 3]
+    # One batched step, each sequence in its own context.
+    (a, _), (b, c) = trees.plan(m.table, m.confidence, [0, 0], [100, 100],
+                                [Candidates.chain(0, [], []), Candidates.chain(0, [40, 41, 42], [0.9, 0.8, 0.7])])
+    assert a.size > 1 and b.size == 1 and c and c == list(range(1, len(c) + 1))  # (the forward is shared: the chain's
+    # first tokens)
+
+
+def test_hybrid_learns_the_matrix_in_the_context_its_draft_was_priced_in():
+    matrix = RecyclingMatrix(20, 2)
+    matrix.table[3] = torch.tensor([4, 5])
+    adaptive = AdaptiveTrees(CPU_LIKE)
+    hybrid = Hybrid(TokenRecycling(matrix, build_tree([[0]]), adaptive), PromptLookup("cpu", length=4))
+    seen = []
+    adaptive.observe = lambda rows, confidences, targets, context=0: seen.append(context)
+    for history, context in (([3, 4, 6, 8, 9, 1, 2, 3], 1), ([7, 8, 9, 3], 0)):  # lookup finds 3 earlier / nothing
+        draft = hybrid.propose(history)
+        assert draft.context == context and draft.cut(1).context == context
+        hybrid.learn(draft, [4])
+        assert seen[-1] == context
 
 
 def test_one_plan_for_one_sequence_or_a_batch():

@@ -37,6 +37,12 @@ EDGES = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 DEPTHS = 3  # depth classes: the first draft position below the root, the second, and deeper
 PRIOR_WEIGHT = 4.0  # before any observation a bin's rate is half its confidence, worth this many observations
 HALF_LIFE = 512  # observations; older ones fade, so the tree follows the text it is drafting
+# The matrix's candidates are right more often where another source has candidates too (prompt lookup found a match,
+# the suffix index knows the text: copied or repeated text, which the matrix drafts well also) than where it drafts
+# alone. Learned together, the rates were an average of the two: on SmolLM2 bf16 (12 dev questions, hybrid), where
+# lookup found nothing a depth-1 node was priced 0.21 and right 0.12 of the time (depth 2: 0.13 and 0.05), where it
+# found something 0.34 and 0.35. So they are learned apart, by the context a step drafted in (Draft.context).
+CONTEXTS = ("matrix alone", "beside other sources")
 
 
 def confidence_bin(c: float) -> int:
@@ -146,6 +152,11 @@ class Candidates:
 NO_CANDIDATES = Candidates([0], [0], [1.0], [0])
 
 
+def context_of(extra: Candidates) -> int:
+    """The context a step drafts in (an index into CONTEXTS): 1 where another source offered candidates."""
+    return int(len(extra.parent) > 1)
+
+
 class StepTimes:
     """What a step of each size costs in this run: the calibrated curve's seconds times a factor per bucket, learned
     from the decode loop's own clock.
@@ -202,7 +213,8 @@ class AdaptiveTrees:
 
     def __init__(self, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu",
                  pinned: bool = False, shard: Shard = ALONE):
-        self.stats, self.refresh, self.device = ConfidenceStats(), refresh, device
+        self.stats = [ConfidenceStats() for _ in CONTEXTS]  # (by context: CONTEXTS)
+        self.refresh, self.device = refresh, device
         self.shard = shard  # under tensor parallelism every rank must plan the same trees: step times are agreed
         self.cost = cost
         self.pinned = pinned  # the cost curve stays the one given: the engine does not set it, steps do not correct it
@@ -221,8 +233,11 @@ class AdaptiveTrees:
             self._cost = cost
             self.times = StepTimes(cost) if cost is not None else None
 
-    def observe(self, rows: list[list[int]], confidences: list[list[float]], targets: list[int]) -> None:
-        self.stats.observe(rows, confidences, targets)
+    def observe(self, rows: list[list[int]], confidences: list[list[float]], targets: list[int],
+                context: int = 0) -> None:
+        """A step's committed path in the matrix rows that drafted it (ConfidenceStats.observe), in the `context` the
+        step drafted in (an index into CONTEXTS: 1 where another source offered candidates)."""
+        self.stats[context].observe(rows, confidences, targets)
         self._since += 1
 
     def observe_step(self, tokens: int, prefix: int, seconds: float) -> None:
@@ -249,9 +264,10 @@ class AdaptiveTrees:
         taken while a bigger step could still beat the best so far; a batch of more than one drafts only if its
         best plan beats plain decoding by BATCH_MARGIN."""
         if self._since >= self.refresh:
-            self._rates, self._since = self.stats.rates(), 0
-        rates, B = self._rates, len(roots)
+            self._rates, self._since = [stats.rates() for stats in self.stats], 0
+        B = len(roots)
         extras = extras or [NO_CANDIDATES] * B
+        rates = [self._rates[context_of(x)] for x in extras]  # per sequence: its context's rates
         kids = [x.children() for x in extras]
         curve = self.times.curve(sum(prefixes) // B)
         sizes = [T for T in self.buckets if T in curve]  # a curve measured in a small cache stops early
@@ -265,7 +281,7 @@ class AdaptiveTrees:
         def expand(b: int, token: int, path: tuple, p: float) -> None:
             d = min(len(path), DEPTHS - 1)
             for r, (child, c) in enumerate(zip(table[token].tolist(), confidence[token].tolist())):
-                heapq.heappush(heap, (-p * rates[d][confidence_bin(c)], b, len(heap), (path + (r,), child)))
+                heapq.heappush(heap, (-p * rates[b][d][confidence_bin(c)], b, len(heap), (path + (r,), child)))
 
         def offer(b: int, node: int) -> None:
             for child in kids[b][node].values():

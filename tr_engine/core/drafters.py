@@ -29,7 +29,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from tr_engine.core.adaptive import AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, DEPTHS, confidence_bin
+from tr_engine.core.adaptive import AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, DEPTHS, confidence_bin, \
+    context_of
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.suffix import MAX_MATCH, Continuations, SuffixIndex
 from tr_engine.core.tree import DraftTree, TreeCache, chain_tree, graft, truncate_tree
@@ -44,6 +45,7 @@ class Draft:
     chain: list[int] = field(default_factory=list)  # the chain prompt lookup found (hybrid), before any cut
     suffix: Continuations | None = None  # what the suffix index offered (hybrid with an index), before any cut
     sources: list[int] = field(default_factory=list)  # per node, the bits of the SOURCES that proposed it (root: 0)
+    context: int = 0  # what the matrix's nodes were priced by (adaptive.CONTEXTS): 1 beside other sources' candidates
 
     def cut(self, size: int) -> "Draft":
         """This draft, or its first `size` nodes (breadth-first: every kept node's parent is kept) when it has more."""
@@ -136,7 +138,7 @@ class TokenRecycling:
         if self.adaptive is not None:  # how the committed path fared in the rows that drafted it (before recycling)
             table, confidence = self.matrix.host()
             path = torch.tensor([draft.root] + committed[:-1], device=table.device)
-            self.adaptive.observe(table[path].tolist(), confidence[path].tolist(), committed)
+            self.adaptive.observe(table[path].tolist(), confidence[path].tolist(), committed, draft.context)
             if seconds > 0.0:
                 self.adaptive.observe_step(draft.tree.size, draft.prefix, seconds)
 
@@ -259,7 +261,7 @@ class Hybrid:
             tree, chosen = self.tr.plan(history, extra)
         else:  # the static tree, every candidate added (as many as the verify may take)
             tree, chosen = self.tr.tree, list(range(1, len(extra.parent)))
-        draft = replace(self.compose(history, tree, extra, chosen, found), suffix=offered)
+        draft = replace(self.compose(history, tree, extra, chosen, found), suffix=offered, context=context_of(extra))
         return draft if self.max_tokens is None else draft.cut(self.max_tokens)
 
     def propose_batch(self, histories: list[list[int]]) -> list[Draft]:
@@ -272,7 +274,7 @@ class Hybrid:
         table, confidence = self.matrix.host()
         plans = self.tr.adaptive.plan(table, confidence, [h[-1] for h in histories], [len(h) for h in histories],
                                       extras)
-        return [replace(self.compose(h, tree, x, chosen, f), suffix=o)
+        return [replace(self.compose(h, tree, x, chosen, f), suffix=o, context=context_of(x))
                 for h, f, o, x, (tree, chosen) in zip(histories, found, offered, extras, plans)]
 
     def offered(self, history: list[int]) -> Continuations | None:
