@@ -8,9 +8,9 @@ sets (weight bytes / bandwidth): against the run's median bandwidth, and against
     python -m bench.peers [--tier avx2] [--per-group 2] [--max-new-tokens 128] [--threads 2] [--dtypes bfloat16 float32]
 
 Both sides for one instruction set: ours on a CPU kernel tier (tr_engine/model/cpu.py; default the best this CPU runs),
-llama.cpp built for the same one (ggml's CPU backend with GGML_NATIVE for the AVX-512 tiers, with AVX2, FMA and F16C
-and nothing above them for avx2), so `--tier avx2` on an AVX-512 machine shows what an AVX2 machine would get from
-each, on this machine's memory. llama.cpp is built once per instruction set, from the source vendored in the
+llama.cpp built for the same one (ggml's CPU backend with GGML_NATIVE for avx512bf16; for avx512 AVX-512 F/BW/VL/DQ,
+and for avx2 AVX2, FMA and F16C, with nothing above them: GGML_ISA), so `--tier avx2` on an AVX-512 machine shows
+what an AVX2 machine would get from each, on this machine's memory. llama.cpp is built once per instruction set, from the source vendored in the
 llama-cpp-python sdist on PyPI (about 15 minutes on 2 cores), into the tr_engine cache ($TR_ENGINE_HOME or
 ~/.cache/tr_engine, under peers/); later runs reuse it. A benchmark only: `make test` never builds it. Writes
 bench/results/peers_<tier>.{md,json}.
@@ -40,19 +40,22 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose sdist vendors 
 TARGETS = ("llama-quantize", "llama-completion", "llama-lookup")
 GGUF_TYPES = {"bfloat16": "BF16", "float32": "F32"}
 OURS = ("ar", "hybrid", "tr", "pld")
-# ggml's CPU backend options for each of our tiers' instruction sets: the AVX-512 tiers are this CPU's own (the only
-# place they run); avx2 is AVX2 + FMA + F16C and nothing above, as our avx2 tier is built.
+# ggml's CPU backend options for each of our tiers' instruction sets: avx512bf16 is this CPU's own (the only place it
+# runs); avx512 is AVX-512 F/BW/VL/DQ (ggml's GGML_AVX512) and avx2 AVX2 + FMA + F16C, nothing above, as our tiers of
+# those names are built (on a CPU with AVX512-BF16 a native llama.cpp would take bf16 dot products that our avx512
+# tier, standing for a Skylake-SP to Ice Lake, does without).
+_X86 = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+        "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF",
+        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 GGML_ISA = {
     "native": ["-DGGML_NATIVE=ON"],
-    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
-             "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
-             "-DGGML_AMX_BF16=OFF"],
+    "avx512": _X86 + ["-DGGML_AVX512=ON"],
+    "avx2": _X86 + ["-DGGML_AVX512=OFF"],
 }
 
 
 def isa_of(tier: str) -> str:
-    return "avx2" if tier == "avx2" else "native"
+    return tier if tier in GGML_ISA else "native"
 
 
 def sh(cmd: list, what: str, **kwargs) -> subprocess.CompletedProcess:
