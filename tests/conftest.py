@@ -80,14 +80,24 @@ def runnable_cpu_tiers() -> list[str]:
 
 
 CPU_TIERS = runnable_cpu_tiers()
+# Where avx512bf16 runs, avx512 is its code but for the bf16 matmuls (linear.h: the widened pairs pass in AVX-512
+# tiles, which no other tier runs, where avx512bf16 takes bf16 dot products). A kernel test runs on every tier but that
+# duplicate, and on it too in the modules that set EVERY_TIER = True (the matmuls' and what calls them): the rest a
+# third time would add about 30 s to make test.
+KERNEL_TEST_TIERS = [t for t in CPU_TIERS if not (t == "avx512" and "avx512bf16" in CPU_TIERS)]
 
 
-@pytest.fixture(params=CPU_TIERS)
+def pytest_generate_tests(metafunc):
+    if "cpu_tier" in metafunc.fixturenames:
+        every = getattr(metafunc.module, "EVERY_TIER", False)
+        metafunc.parametrize("cpu_tier", CPU_TIERS if every else KERNEL_TEST_TIERS, indirect=True)
+
+
+@pytest.fixture
 def cpu_tier(request):
-    """Runs a test once per CPU tier this machine can run (on AVX-512: avx512bf16, avx512, avx2 and scalar, each its
-    own code: avx512 widens bf16 in AVX-512 tiles, which no other tier does), with that tier's kernels behind every
-    CPU op (then the tier before), on at least two threads. A module opts in whole with
-    `pytestmark = pytest.mark.usefixtures("cpu_tier")`."""
+    """Runs a test once per CPU tier in KERNEL_TEST_TIERS (or CPU_TIERS, every one this machine can run, in a module
+    with EVERY_TIER = True), with that tier's kernels behind every CPU op (then the tier before), on at least two
+    threads. A module opts in whole with `pytestmark = pytest.mark.usefixtures("cpu_tier")`."""
     from tr_engine.model import cpu
 
     before, threads = cpu.active(), torch.get_num_threads()

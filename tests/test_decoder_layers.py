@@ -14,6 +14,7 @@ from tr_engine.model.ops import load_ops
 kernels = load_ops("kernels")
 # Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).
 pytestmark = pytest.mark.usefixtures("cpu_tier")
+EVERY_TIER = True  # avx512 too where avx512bf16 runs: its bf16 matmuls are its own (conftest)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-2, rtol=2e-2),
              torch.float16: dict(atol=5e-3, rtol=5e-3)}

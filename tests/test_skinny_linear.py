@@ -10,6 +10,7 @@ from tr_engine.model.ops import load_ops
 kernels = load_ops("kernels")
 # Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).
 pytestmark = pytest.mark.usefixtures("cpu_tier")
+EVERY_TIER = True  # avx512 too where avx512bf16 runs: its bf16 matmuls are its own (conftest)
 
 
 def operands(T, K, N, dtype, seed=0):
