@@ -10,10 +10,10 @@ sets (weight bytes / bandwidth): against the run's median bandwidth, and against
 Both sides for one instruction set: ours on a CPU kernel tier (tr_engine/model/cpu.py; default the best this CPU runs),
 llama.cpp built for the same one (ggml's CPU backend with GGML_NATIVE for avx512bf16; for avx512 AVX-512 F/BW/VL/DQ,
 and for avx2 AVX2, FMA and F16C, with nothing above them: GGML_ISA), so `--tier avx2` on an AVX-512 machine shows
-what an AVX2 machine would get from each, on this machine's memory. llama.cpp is built once per instruction set, from the source vendored in the
-llama-cpp-python sdist on PyPI (about 15 minutes on 2 cores), into the tr_engine cache ($TR_ENGINE_HOME or
-~/.cache/tr_engine, under peers/); later runs reuse it. A benchmark only: `make test` never builds it. Writes
-bench/results/peers_<tier>.{md,json}.
+what an AVX2 machine would get from each, on this machine's memory. llama.cpp is built once per instruction set,
+from the source vendored in the llama-cpp-python sdist on PyPI (5-15 minutes on 2 cores), into the tr_engine cache
+($TR_ENGINE_HOME or ~/.cache/tr_engine, under peers/); later runs reuse it. A benchmark only: `make test` never
+builds it. Writes bench/results/peers_<tier>.{md,json}.
 """
 
 import json
