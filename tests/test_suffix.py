@@ -72,6 +72,26 @@ def test_continuations_are_a_brute_force_scans_across_the_wrap(seed, monkeypatch
                 assert got.token[0] == history[-1] and got.count[0] == got.matches
 
 
+def test_a_lookups_bucket_is_the_one_its_context_was_indexed_under():
+    """A lookup hashes one context in Python's integers, the index's writes hash them in numpy's uint64: the same
+    buckets, or a lookup would miss what was indexed (ids up to a large vocabulary's, where the products wrap)."""
+    rng = np.random.default_rng(0)
+    index = SuffixIndex(1 << 20, max_bytes=suffix.BYTES_PER_TOKEN * 4096)
+    contexts = rng.integers(0, 1 << 20, size=(500, ORDER))
+    assert [index._bucket(c) for c in contexts.tolist()] == index._hash(contexts).tolist()
+
+
+def test_an_own_match_straddling_two_ids_is_not_a_match():
+    """The history's own occurrences are found in its ids' bytes: bytes that happen to match across two ids (here
+    the high bytes of one and the low bytes of the next) are no occurrence."""
+    index = SuffixIndex(1 << 17, max_bytes=suffix.BYTES_PER_TOKEN * 1024)
+    tail = [0x00010000, 0x00010000, 0x00010000]  # bytes 00 00 01 00 x3
+    straddle = [0, 0x01000000, 0x01000000, 0x01000000, 0]  # the same bytes from byte 5 on: inside ids 1 to 4
+    assert index.continuations(straddle + tail) is None
+    c = index.continuations(tail + [7] + tail)  # a real occurrence, followed by 7
+    assert c.agree == ORDER and as_paths(c) == {(7,) + tuple(tail[:i]): 1 for i in range(ORDER + 1)}
+
+
 def test_a_lookup_walks_only_the_newest_matches(monkeypatch):
     monkeypatch.setattr(suffix, "MAX_WALK", 3)
     index = SuffixIndex(100, max_bytes=suffix.BYTES_PER_TOKEN * 2048)
