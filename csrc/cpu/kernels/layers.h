@@ -56,34 +56,36 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t ldo, int64_t rows, in
 }
 
 // RoPE on the q and k heads of qkv [T, Hq + 2 Hkv, D] in place, then the rotated k and the v heads written to the
-// cache: row r of sequence b to slot slots[b], position prefix_lens[b] + (r - offsets[b]). As apply_rope in
-// tr_engine/model/llama.py: a = round(x * cos), then round(a + swap(x) * sin), with the tables' (cos, cos) and (-sin, sin).
+// cache: row r of sequence b to slot slots[b], position prefix_lens[b] + (r - offsets[b]); rows r0..r1-1. As
+// apply_rope in tr_engine/model/llama.py: a = round(x * cos), then round(a + swap(x) * sin), with the tables' (cos,
+// cos) and (-sin, sin).
 template <typename T>
-void rope_and_cache(T* qkv, const Layers<T>& a, T* kv) {
+void rope_and_cache(T* qkv, const Layers<T>& a, T* kv, int64_t r0, int64_t r1) {
   const int64_t D = a.D, half = D / 2, heads = a.Hq + 2 * a.Hkv;
   const int64_t* st = a.kv_strides;
-  for (int64_t b = 0; b < a.B; ++b)
-    for (int64_t r = a.offsets[b]; r < a.offsets[b + 1]; ++r) {
-      const T* c = a.cos + r * D;
-      const T* s = a.sin + r * D;
-      for (int64_t h = 0; h < a.Hq + a.Hkv; ++h) {
-        T* row = qkv + (r * heads + h) * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_float(row[i]), x2 = to_float(row[i + half]);
-          const float a1 = to_float(from_float<T>(x1 * to_float(c[i])));
-          const float a2 = to_float(from_float<T>(x2 * to_float(c[i + half])));
-          row[i] = from_float<T>(a1 + x2 * to_float(s[i]));
-          row[i + half] = from_float<T>(a2 + x1 * to_float(s[i + half]));
-        }
+  int64_t b = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    while (a.offsets[b + 1] <= r) ++b;  // the sequence row r is in
+    const T* c = a.cos + r * D;
+    const T* s = a.sin + r * D;
+    for (int64_t h = 0; h < a.Hq + a.Hkv; ++h) {
+      T* row = qkv + (r * heads + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = to_float(row[i]), x2 = to_float(row[i + half]);
+        const float a1 = to_float(from_float<T>(x1 * to_float(c[i])));
+        const float a2 = to_float(from_float<T>(x2 * to_float(c[i + half])));
+        row[i] = from_float<T>(a1 + x2 * to_float(s[i]));
+        row[i + half] = from_float<T>(a2 + x1 * to_float(s[i + half]));
       }
-      const int64_t pos = a.prefix_lens[b] + (r - a.offsets[b]);
-      for (int64_t h = 0; h < a.Hkv; ++h)
-        for (int64_t kind = 0; kind < 2; ++kind) {  // 0: k (rotated above), 1: v
-          const T* src = qkv + (r * heads + a.Hq + kind * a.Hkv + h) * D;
-          T* dst = kv + a.slots[b] * st[1] + kind * st[2] + h * st[3] + pos * st[4];
-          std::copy(src, src + D, dst);
-        }
     }
+    const int64_t pos = a.prefix_lens[b] + (r - a.offsets[b]);
+    for (int64_t h = 0; h < a.Hkv; ++h)
+      for (int64_t kind = 0; kind < 2; ++kind) {  // 0: k (rotated above), 1: v
+        const T* src = qkv + (r * heads + a.Hq + kind * a.Hkv + h) * D;
+        T* dst = kv + a.slots[b] * st[1] + kind * st[2] + h * st[3] + pos * st[4];
+        std::copy(src, src + D, dst);
+      }
+  }
 }
 
 // act[t] = round(round(silu(gate[t])) * up[t]) from gate_up [T, 2F] (gate, then up): F.silu(gate) * up, into act
@@ -117,21 +119,34 @@ T* grown(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
-// One decoder layer on the residual stream a.h [T, E] in place; kv is this layer's cache [N, 2, Hkv, S, D].
+// The elementwise work between a layer's matmuls, f(r0, r1) over rows r0..r1-1, split between the threads once a
+// step has kGlueRows rows or more (a verify, a batch, a prompt chunk): every loop above computes a row from that row
+// alone, so where a row is computed changes no bit. Run on the calling thread alone, it left the others waiting at
+// the next matmul: at 16 rows RMSNorm, RoPE and SiLU * up were ~3% of a SmolLM2 forward's samples on one thread of
+// two, the other spinning meanwhile. A decode step's single row stays on the calling thread (a fork costs more).
+constexpr int64_t kGlueRows = 4;
+template <typename F>
+void glue(int64_t rows, const F& f) {
+  if (rows >= kGlueRows)
+    parallel_for(0, rows, 1, f);
+  else
+    f(0, rows);
+}
+
+// One decoder layer on the residual stream a.h [T, E] in place; kv is this layer's cache [N, 2, Hkv, S, D]. `normed`
+// holds the input norm's rows already (the layer before normed them with its last residual add).
 template <typename T>
-void layer(const Layers<T>& a, const LayerWeights<T>& w, T* kv) {
+void layer(const Layers<T>& a, const LayerWeights<T>& w, T* kv, T* normed, int64_t ld_norm,
+           const T* next_norm) {
   T* qkv = a.qkv;
-  thread_local std::vector<T> norm_buf, gate_up_buf, act_buf, proj_buf;
+  thread_local std::vector<T> gate_up_buf, act_buf, proj_buf;
   constexpr int64_t P = pack_width<T>();
   const int64_t rows = a.rows, E = a.E, F = a.F, D = a.D, heads = a.Hq + 2 * a.Hkv;
-  // The matmuls read their input rows in column pairs (bf16: P = 2); the rows they read are padded to that.
-  const int64_t ld_norm = w.qkv_groups * P, ld_act = w.down_groups * P;
-  T* normed = grown(norm_buf, rows * ld_norm);
+  const int64_t ld_act = w.down_groups * P;  // (the matmuls read their rows in column pairs, padded to them)
   T* proj = grown(proj_buf, rows * E);
-  // attention: norm, q/k/v, RoPE and the cache write, attention, o_proj, residual
-  rms_norm_rows(a.h, w.input_norm, normed, ld_norm, rows, E, a.eps);
+  // attention: q/k/v, RoPE and the cache write, attention, o_proj, residual (and the MLP's norm)
   packed_rows(normed, ld_norm, w.qkv, qkv, rows, w.qkv_groups, heads * D);
-  rope_and_cache(qkv, a, kv);
+  glue(rows, [&](int64_t r0, int64_t r1) { rope_and_cache(qkv, a, kv, r0, r1); });
   const Attention<T> attend{qkv, heads * D, D, a.Hq, D,
                             CacheView<T>{kv, kv + a.kv_strides[2], a.Hkv, a.kv_strides[1], a.kv_strides[3],
                                          a.kv_strides[4]},
@@ -139,27 +154,53 @@ void layer(const Layers<T>& a, const LayerWeights<T>& w, T* kv) {
                             a.attended};
   attention(attend);
   packed_rows(a.attended, a.Hq * D, w.o, proj, rows, w.o_groups, E);
-  add_into(a.h, proj, rows * E);
-  // MLP: norm, gate/up, SiLU * up, down_proj, residual
-  rms_norm_rows(a.h, w.post_norm, normed, ld_norm, rows, E, a.eps);
+  glue(rows, [&](int64_t r0, int64_t r1) {
+    add_into(a.h + r0 * E, proj + r0 * E, (r1 - r0) * E);
+    rms_norm_rows(a.h + r0 * E, w.post_norm, normed + r0 * ld_norm, ld_norm, r1 - r0, E, a.eps);
+  });
+  // MLP: gate/up, SiLU * up, down_proj, residual (and the next layer's input norm, or the final norm, if any)
   T* gate_up = grown(gate_up_buf, rows * 2 * F);
   packed_rows(normed, ld_norm, w.gate_up, gate_up, rows, w.gate_up_groups, 2 * F);
   T* act = grown(act_buf, rows * ld_act);
-  silu_mul_rows(gate_up, act, ld_act, rows, F);
+  glue(rows, [&](int64_t r0, int64_t r1) {
+    silu_mul_rows(gate_up + r0 * 2 * F, act + r0 * ld_act, ld_act, r1 - r0, F);
+  });
   packed_rows(act, ld_act, w.down, proj, rows, w.down_groups, E);
-  add_into(a.h, proj, rows * E);
+  glue(rows, [&](int64_t r0, int64_t r1) {
+    add_into(a.h + r0 * E, proj + r0 * E, (r1 - r0) * E);
+    if (next_norm != nullptr)
+      rms_norm_rows(a.h + r0 * E, next_norm, normed + r0 * ld_norm, ld_norm, r1 - r0, E, a.eps);
+  });
 }
 
 // Every layer in turn, in one call: a step's 30 layers cost one dispatch, one set of checks and three allocations,
 // where one op per layer paid those 30 times (~15 us each, half a millisecond of a 9 ms SmolLM2 step). Then the final
 // norm, when there is one: as eight PyTorch ops after the layers it took ~0.3 ms of a SmolLM2 step, fifteen times
 // what it takes in a loop of its own, because each op's dispatch ran with the caches full of the weights just
-// streamed; here it made a plain bf16 step 2.4% faster (alternating in one process).
+// streamed; here it made a plain bf16 step 2.4% faster (alternating in one process). Each layer's input norm runs with
+// the residual add before it (glue): one pass over the rows, split between the threads.
 template <typename T>
 void layers(const Layers<T>& a) {
-  for (int64_t l = 0; l < a.L; ++l) layer(a, a.layers[l], a.kv + l * a.kv_strides[0]);
+  thread_local std::vector<T> norm_buf;
+  if (a.L == 0) {
+    if (a.final_norm != nullptr)
+      glue(a.rows, [&](int64_t r0, int64_t r1) {
+        rms_norm_rows(a.h + r0 * a.E, a.final_norm, a.h + r0 * a.E, a.E, r1 - r0, a.E, a.eps);
+      });
+    return;
+  }
+  const int64_t ld_norm = a.layers[0].qkv_groups * pack_width<T>();  // (every layer's qkv reads E columns alike)
+  T* normed = grown(norm_buf, a.rows * ld_norm);
+  glue(a.rows, [&](int64_t r0, int64_t r1) {
+    rms_norm_rows(a.h + r0 * a.E, a.layers[0].input_norm, normed + r0 * ld_norm, ld_norm, r1 - r0, a.E, a.eps);
+  });
+  for (int64_t l = 0; l < a.L; ++l)
+    layer(a, a.layers[l], a.kv + l * a.kv_strides[0], normed, ld_norm,
+          l + 1 < a.L ? a.layers[l + 1].input_norm : nullptr);
   if (a.final_norm != nullptr)  // in place: a row is read whole before any of it is written
-    rms_norm_rows(a.h, a.final_norm, a.h, a.E, a.rows, a.E, a.eps);
+    glue(a.rows, [&](int64_t r0, int64_t r1) {
+      rms_norm_rows(a.h + r0 * a.E, a.final_norm, a.h + r0 * a.E, a.E, r1 - r0, a.E, a.eps);
+    });
 }
 
 }  // namespace tr_engine_cpu
