@@ -56,10 +56,11 @@ class RecyclingMatrix:
         self.ops.recycle_update_(self.table, tokens, logits)
         ids = tokens.tolist()
         last = sorted({t: i for i, t in enumerate(ids)}.values())  # the node each row was written from
-        if len(last) < len(ids):
+        top = logits.gather(1, self.table[tokens])  # [T, k]: a row's logits at its token's new ids (right for `last`)
+        if len(last) < len(ids):  # (the k values of those rows picked, not their whole rows of logits copied)
             where = torch.tensor(last, device=tokens.device)
-            tokens, logits = tokens[where], logits[where]
-        self.confidence[tokens] = logits.gather(1, self.table[tokens]).float().softmax(dim=-1).half()
+            tokens, top = tokens[where], top[where]
+        self.confidence[tokens] = top.float().softmax(dim=-1).half()
         if self._host is not None:  # the rows just written, to the mirror: one small copy, not one per read
             rows = torch.tensor([ids[i] for i in last])
             self._host[0][rows] = self.table[tokens].cpu()
