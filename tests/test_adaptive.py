@@ -9,7 +9,7 @@ import torch
 
 from curves import CPU_LIKE, FREE, LINEAR, curve
 from tr_engine.core.adaptive import CONTEXTS, DEPTHS, EDGES, AdaptiveTrees, Candidates, ChainStats, ConfidenceStats, \
-    confidence_bin
+    StepTimes, confidence_bin
 from tr_engine.core.batch import speculative_generate
 from tr_engine.core.cost import BUCKETS, PREFIXES, PRIOR_PER_TOKEN, CostModel, cost_key, cost_path
 from tr_engine.core.decode import plain_generate
@@ -154,6 +154,19 @@ def test_step_times_correct_the_curve_online():
     trees.cost = zero
     trees.observe_step(1, 10, 0.01)
     assert trees.times.factor == {}
+
+
+def test_a_bucket_not_stepped_takes_the_factor_of_the_nearest_one_stepped():
+    """Each size's correction is its own bucket's factor once stepped, else the nearest stepped bucket's (the bigger on
+    a tie); which bucket that is changes as buckets are stepped first, and the curve follows."""
+    times = StepTimes(CPU_LIKE)
+    times.observe(16, 100, 2 * CPU_LIKE.seconds(16, 100))  # 16 tokens (bucket 10) took twice the calibration's time
+    assert list(times.curve(100).values()) == pytest.approx([2 * c for c in CPU_LIKE.curve(100)])
+    times.observe(1, 100, CPU_LIKE.seconds(1, 100))  # a plain step (bucket 0) took what it said
+    factors = [now / c for now, c in zip(times.curve(100).values(), CPU_LIKE.curve(100))]
+    assert factors == pytest.approx([1.0] * 5 + [2.0] * (len(BUCKETS) - 5))  # 6 tokens (bucket 5): a tie, the bigger
+    times.observe(6, 100, 3 * CPU_LIKE.seconds(6, 100))
+    assert times.curve(100)[5] == pytest.approx(3 * CPU_LIKE.cost(5, 100))  # 5 tokens: now nearest to 6's bucket
 
 
 def test_the_decode_loop_times_its_steps_for_the_adaptive_tree(tiny):

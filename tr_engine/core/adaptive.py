@@ -175,6 +175,7 @@ class StepTimes:
         self.model = model
         self.factor: dict[int, float] = {}
         self.count: dict[int, int] = {}
+        self._nearest: list[int | None] | None = None  # per bucket, the stepped bucket whose factor it takes
 
     def observe(self, tokens: int, prefix: int, seconds: float) -> None:
         buckets = self.model.buckets
@@ -187,17 +188,19 @@ class StepTimes:
             r = min(max(r, f / 2), f * 2)
         self.factor[T] = r if f is None else f + max(1 / (n + 1), 1 / self.RECENT) * (r - f)
         self.count[T] = n + 1
+        if f is None:  # a bucket stepped for the first time: the others may borrow from it now
+            self._nearest = None
 
     def curve(self, prefix: int) -> dict[int, float]:
         """The estimated cost of a step of each bucket size after `prefix` cached tokens, in the calibration's plain
         steps (the calibrated curve, corrected)."""
         buckets = self.model.buckets
-        seen = [(i, T) for i, T in enumerate(buckets) if T in self.factor]
-        out = {}
-        for i, (T, c) in enumerate(zip(buckets, self.model.curve(prefix))):
-            near = min(seen, key=lambda s: (abs(s[0] - i), -s[0]))[1] if seen else None
-            out[T] = c * (self.factor[near] if near is not None else 1.0)
-        return out
+        if self._nearest is None:  # (each plan asks: worked out again only when a bucket is stepped first)
+            seen = [(i, T) for i, T in enumerate(buckets) if T in self.factor]
+            self._nearest = [min(seen, key=lambda s: (abs(s[0] - i), -s[0]))[1] if seen else None
+                             for i in range(len(buckets))]
+        return {T: c * (self.factor[near] if near is not None else 1.0)
+                for T, c, near in zip(buckets, self.model.curve(prefix), self._nearest)}
 
 
 class AdaptiveTrees:
@@ -278,9 +281,13 @@ class AdaptiveTrees:
 
         heap = []  # (-probability, sequence, tie-breaker, node): a tree node (path, token) or an extra node's index
 
+        # The rows through numpy views: a tensor's row index and tolist cost ~10x a numpy array's, dozens a step, each
+        # right after a forward has flushed the caches. (A CPU tensor: the matrix itself, or on a GPU its host mirror.)
+        ids, confidences = table.numpy(), confidence.numpy()
+
         def expand(b: int, token: int, path: tuple, p: float) -> None:
             d = min(len(path), DEPTHS - 1)
-            for r, (child, c) in enumerate(zip(table[token].tolist(), confidence[token].tolist())):
+            for r, (child, c) in enumerate(zip(ids[token].tolist(), confidences[token].tolist())):
                 heapq.heappush(heap, (-p * rates[b][d][confidence_bin(c)], b, len(heap), (path + (r,), child)))
 
         def offer(b: int, node: int) -> None:

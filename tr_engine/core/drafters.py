@@ -136,9 +136,10 @@ class TokenRecycling:
 
     def learn(self, draft: Draft, committed: list[int], seconds: float = 0.0) -> None:
         if self.adaptive is not None:  # how the committed path fared in the rows that drafted it (before recycling)
-            table, confidence = self.matrix.host()
-            path = torch.tensor([draft.root] + committed[:-1], device=table.device)
-            self.adaptive.observe(table[path].tolist(), confidence[path].tolist(), committed, draft.context)
+            table, confidence = self.matrix.host()  # (CPU tensors: read through numpy, as the plan reads them)
+            path = [draft.root] + committed[:-1]
+            self.adaptive.observe(table.numpy()[path].tolist(), confidence.numpy()[path].tolist(), committed,
+                                  draft.context)
             if seconds > 0.0:
                 self.adaptive.observe_step(draft.tree.size, draft.prefix, seconds)
 
