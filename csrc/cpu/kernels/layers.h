@@ -181,22 +181,17 @@ void layer(const Layers<T>& a, const LayerWeights<T>& w, T* kv, T* normed, int64
 // the residual add before it (glue): one pass over the rows, split between the threads.
 template <typename T>
 void layers(const Layers<T>& a) {
-  thread_local std::vector<T> norm_buf;
-  if (a.L == 0) {
-    if (a.final_norm != nullptr)
-      glue(a.rows, [&](int64_t r0, int64_t r1) {
-        rms_norm_rows(a.h + r0 * a.E, a.final_norm, a.h + r0 * a.E, a.E, r1 - r0, a.E, a.eps);
-      });
-    return;
+  if (a.L > 0) {  // the first layer's input norm here; every later one with the residual add before it (layer)
+    thread_local std::vector<T> norm_buf;
+    const int64_t ld_norm = a.layers[0].qkv_groups * pack_width<T>();  // (every layer's qkv reads E columns alike)
+    T* normed = grown(norm_buf, a.rows * ld_norm);
+    glue(a.rows, [&](int64_t r0, int64_t r1) {
+      rms_norm_rows(a.h + r0 * a.E, a.layers[0].input_norm, normed + r0 * ld_norm, ld_norm, r1 - r0, a.E, a.eps);
+    });
+    for (int64_t l = 0; l < a.L; ++l)
+      layer(a, a.layers[l], a.kv + l * a.kv_strides[0], normed, ld_norm,
+            l + 1 < a.L ? a.layers[l + 1].input_norm : nullptr);
   }
-  const int64_t ld_norm = a.layers[0].qkv_groups * pack_width<T>();  // (every layer's qkv reads E columns alike)
-  T* normed = grown(norm_buf, a.rows * ld_norm);
-  glue(a.rows, [&](int64_t r0, int64_t r1) {
-    rms_norm_rows(a.h + r0 * a.E, a.layers[0].input_norm, normed + r0 * ld_norm, ld_norm, r1 - r0, a.E, a.eps);
-  });
-  for (int64_t l = 0; l < a.L; ++l)
-    layer(a, a.layers[l], a.kv + l * a.kv_strides[0], normed, ld_norm,
-          l + 1 < a.L ? a.layers[l + 1].input_norm : nullptr);
   if (a.final_norm != nullptr)  // in place: a row is read whole before any of it is written
     glue(a.rows, [&](int64_t r0, int64_t r1) {
       rms_norm_rows(a.h + r0 * a.E, a.final_norm, a.h + r0 * a.E, a.E, r1 - r0, a.E, a.eps);
