@@ -261,7 +261,7 @@ def soak(args, questions: list[str]) -> dict:
     index = matrix.with_suffix(".suffix.pt")
     for f in (matrix, index):
         f.unlink(missing_ok=True)
-    extra = ("--suffix-index", str(args.suffix_index)) if args.suffix_index else ()
+    extra = ("--suffix-index", str(args.suffix_index))  # (0: none; the server keeps 64 MB unless told)
     server = Server(args, "--matrix", str(matrix), "--max-queued", "1024", "--save-every", str(args.save_every),
                     *extra)
     rng = random.Random(0)

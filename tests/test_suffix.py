@@ -2,7 +2,9 @@
 finds, within its bound, across the ring's wrap, and through a save and load; hostile files are refused in one line."""
 
 import json
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,18 +113,41 @@ def test_a_trie_is_made_of_the_sequences_own_matches_first_then_the_newest(monke
 
 
 def test_the_index_stays_within_its_bound_and_keeps_the_newest_tokens():
-    index = SuffixIndex(50_000, max_bytes=suffix.BYTES_PER_TOKEN * 4096)
-    assert index.nbytes <= suffix.BYTES_PER_TOKEN * 4096
-    before = index.nbytes
+    bound = suffix.BYTES_PER_TOKEN * 4096
+    index = SuffixIndex(50_000, max_bytes=bound)
+    assert index.nbytes == 0  # (it costs memory as it learns)
     rng = np.random.default_rng(0)
+    sizes = []
     for _ in range(100):
         index.add(rng.integers(0, 50_000, 700).tolist())
+        sizes.append(index.nbytes)
+    assert sizes == sorted(sizes) and sizes[0] > 0 and sizes[-1] <= bound
     last = list(range(9000))  # longer than the ring: its end is kept
     index.add(last)
-    assert index.nbytes == before
+    assert index.nbytes == sizes[-1]  # (full since the sixth request)
     assert index.content().tolist() == last[-(index.capacity - 1):] + [SEPARATOR]
     assert as_paths(index.continuations([8990, 8991, 8992], depth=3)) == {(8993,): 1, (8993, 8994): 1,
                                                                         (8993, 8994, 8995): 1}
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the process's resident memory from /proc")
+def test_an_index_costs_memory_as_it_learns_not_at_its_bound():
+    """Every engine keeps one by default: a 1 GB bound must not make a process 1 GB bigger, created, fed a few
+    requests, saved and loaded again."""
+    before = resident_bytes()
+    index = SuffixIndex(50_000, max_bytes=1 << 30)
+    for i in range(4):
+        index.add(list(range(i, i + 500)))
+    again = SuffixIndex(50_000, max_bytes=1 << 30)
+    again.copy_(index)
+    grown = resident_bytes() - before
+    assert grown < 24 << 20, f"{grown >> 20} MB resident for two indexes of 2,000 tokens each"
+    assert again.continuations([7, 8, 9]).token[1] == 10
 
 
 def test_nothing_runs_across_requests_and_bad_ids_are_refused():
@@ -267,8 +292,8 @@ def test_hybrid_with_an_index_is_plain_decoding_and_drafts_earlier_answers(tiny_
 
 
 def test_the_index_is_saved_beside_the_matrix_and_loaded_with_it(tiny_factory, tmp_path):
-    """--suffix-index MB: the command line's index is kept beside its --matrix file (hot start), and a hostile one is
-    refused in one line, the run stopped before answering (exit 2)."""
+    """The command line keeps a suffix index by default (--suffix-index 64), beside its --matrix file (hot start); a
+    hostile one is refused in one line, the run stopped before answering (exit 2); --suffix-index 0 keeps none."""
     from cli import call_main
 
     from tr_engine.cli import generate
@@ -276,8 +301,8 @@ def test_the_index_is_saved_beside_the_matrix_and_loaded_with_it(tiny_factory, t
 
     folder = str(tiny_factory("suffix", dtype=torch.float64, vocab_size=300))
     matrix = tmp_path / "m.pt"
-    command = ["--model", folder, "--prompt", "one two three four", "--max-new-tokens", "24", "--method", "hybrid",
-               "--suffix-index", "1", "--matrix", str(matrix), "--json"]
+    command = ["--model", folder, "--prompt", "one two three four", "--max-new-tokens", "24", "--matrix", str(matrix),
+               "--json"]  # (the default method and index)
     runs = []
     for _ in range(2):  # (each run the command's main() afresh, in this process: its engine, loading the files)
         proc = call_main(generate.main, *command)
@@ -293,3 +318,9 @@ def test_the_index_is_saved_beside_the_matrix_and_loaded_with_it(tiny_factory, t
     torch.save({**saved, "tokens": torch.tensor([1, 5000], dtype=torch.int32)}, beside(matrix))
     proc = call_main(generate.main, *command)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not a valid suffix index" in proc.stderr
+    alone = tmp_path / "alone.pt"
+    for _ in range(2):
+        proc = call_main(generate.main, *command[:-2], str(alone), "--json", "--suffix-index", "0")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["speculative_decoding"]["by_source"]["suffix"]["num_draft_tokens"] == 0
+    assert alone.is_file() and not beside(alone).exists()

@@ -41,8 +41,8 @@ class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer, folder: Path, max_context: int, tree: str = ADAPTIVE,
                  matrix_k: int = 8, method: str = DEFAULT_METHOD, seed: int | None = None,
                  cuda_graphs: bool | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                 batch_context: int | None = None, suffix_bytes: int = 0, max_draft: int | None = None,
-                 plain_above: int | None = None, follow_load: bool = False):
+                 batch_context: int | None = None, suffix_bytes: int = DEFAULT_SUFFIX_MB << 20,
+                 max_draft: int | None = None, plain_above: int | None = None, follow_load: bool = False):
         self.model, self.tokenizer, self.folder = model, tokenizer, folder
         # The ops (tr_engine.model.ops), one namespace for the model, the matrix and the decode loop: the model's.
         self.ops = model.ops
@@ -140,7 +140,7 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         tp: int = 1,
         progress=None,
-        suffix_bytes: int = 0,
+        suffix_bytes: int = DEFAULT_SUFFIX_MB << 20,
         speculative_config: str | dict | None = None,
         parse_special_tokens: bool = False,
     ) -> "Engine":
@@ -148,9 +148,10 @@ class Engine:
         make an engine for it. `method` is what generate and stream use by default; `speculative_config`
         (tr_engine/core/speculative_config.py: JSON text or a dict with vLLM's keys) sets the method, the most draft
         tokens a step verifies and the batch size above which batches decode plainly; `suffix_bytes` bounds hybrid's
-        suffix index (0: none; method "suffix": 64 MB unless given). Special-token strings written in a message's
-        content are text unless `parse_special_tokens`. `threads` fixes the CPU ops' thread count; without it a CPU
-        engine (tp 1) starts at torch's and follows the machine's load (tr_engine/model/threads.py)."""
+        suffix index (default 64 MB, resident only as it fills; 0: none, but method "suffix" then gets 64 MB).
+        Special-token strings written in a message's content are text unless `parse_special_tokens`. `threads` fixes
+        the CPU ops' thread count; without it a CPU engine (tp 1) starts at torch's and follows the machine's load
+        (tr_engine/model/threads.py)."""
         if not isinstance(tree, (str, Path)):
             raise InvalidType(f"tree must be 'adaptive', a tree name or a tree file path, got {type(tree).__name__}")
         check_method(method)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tr_engine import checks
 from tr_engine.core.methods import ADAPTIVE, DEFAULT_METHOD, MAX_MATRIX_K, methods
+from tr_engine.core.speculative_config import DEFAULT_SUFFIX_MB
 from tr_engine.errors import UserError
 from tr_engine.model.folders import DEFAULT_MODEL
 
@@ -95,9 +96,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--matrix-k", type=integer(1, MAX_MATRIX_K, "the CUDA recycle kernel's limit"), default=8,
                     help="candidates kept per token in the recycling matrix")
     ap.add_argument("--seed-from-prompt", action="store_true", help="seed the matrix from each prompt's prefill")
-    ap.add_argument("--suffix-index", type=integer(0, 1 << 16), default=0, metavar="MB",
-                    help="hybrid also drafts from a suffix index of every request answered, up to MB megabytes, saved "
-                         "beside the matrix (default 0: none)")
+    ap.add_argument("--suffix-index", type=integer(0, 1 << 16), default=DEFAULT_SUFFIX_MB, metavar="MB",
+                    help="hybrid also drafts from a suffix index of every request answered, up to MB megabytes, "
+                         f"resident as it fills, saved beside the matrix (default {DEFAULT_SUFFIX_MB}; 0: none)")
     ap.add_argument("--parse-special-tokens", action="store_true",
                     help="read special-token strings written inside messages (<|im_start|>, ...) as the control tokens "
                          "they name; by default they are text, so a message cannot forge a turn of another role")

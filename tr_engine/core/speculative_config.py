@@ -22,7 +22,7 @@ from tr_engine.errors import UserError
 ALIASES = {"ngram": "pld", "suffix": "hybrid"}  # vLLM's method names -> the engine's
 KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "max_concurrency")
 REQUEST_KEYS = ("method", "num_speculative_tokens")
-DEFAULT_SUFFIX_MB = 64  # the index "suffix" gets when --suffix-index does not size it
+DEFAULT_SUFFIX_MB = 64  # every engine's suffix index unless --suffix-index sizes it (0: none; "suffix" still 64)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,10 @@ sequences as the recycling matrix is, so that a draft can copy what followed the
 
 Storage, bounded by a byte budget (max_bytes): a ring of token ids holding the requests end to end, a separator
 after each, the oldest overwritten first; and a hash chain per context of ORDER tokens, as LZ77 compressors find
-earlier matches: head[h] is the latest position whose preceding ORDER tokens hash to h, prev[p] the one before it with
-the same hash. A lookup walks the chain of the history's last ORDER tokens (newest first, at most MAX_WALK links,
+earlier matches: head[h] is the latest position whose preceding ORDER tokens hash to h (plus one: 0 is none), prev[p]
+the one before it with the same hash. The arrays are reserved at the bound but never filled up front (a position is
+read only once written; the heads' 0 is the operating system's fresh page), so an index costs memory as it learns,
+not at creation: that is what lets every engine keep one by default. A lookup walks the chain of the history's last ORDER tokens (newest first, at most MAX_WALK links,
 stopping at the first position the ring has overwritten), measures how far back each match agrees with the history
 (up to MAX_MATCH tokens), keeps the matches of the longest agreement (the deepest node of a suffix tree; at most
 MAX_USED, the sequence's own text first, then the newest), and counts what followed them: a trie of continuations,
@@ -18,6 +20,7 @@ Exactness is not the index's business: its drafts are verified by the model like
 """
 
 import io
+import mmap
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,15 +78,18 @@ class SuffixIndex:
         self.vocab_size = vocab_size
         self.capacity = max_bytes // BYTES_PER_TOKEN  # tokens the ring holds
         self.buckets = 1 << (self.capacity.bit_length() - 1)  # a power of two <= capacity
-        self.tokens = np.full(self.capacity, SEPARATOR, dtype=np.int32)
-        self.prev = np.full(self.capacity, -1, dtype=np.int64)
-        self.head = np.full(self.buckets, -1, dtype=np.int64)
+        self.tokens = _reserved(self.capacity, np.int32)
+        self.prev = _reserved(self.capacity, np.int64)
+        self.head = _reserved(self.buckets, np.int64)  # position + 1 (0: none)
         self.total = 0  # tokens ever written: the ring holds positions total - capacity .. total - 1
         self.requests = 0
 
     @property
     def nbytes(self) -> int:
-        return self.tokens.nbytes + self.prev.nbytes + self.head.nbytes
+        """The bytes the index uses at most now: its held tokens' ring and chain entries, and the heads they can
+        have touched (at most one per held token, all of them once it holds as many tokens as there are heads)."""
+        held = min(self.total, self.capacity)
+        return held * (self.tokens.itemsize + self.prev.itemsize) + min(held, self.buckets) * self.head.itemsize
 
     def _hash(self, contexts: np.ndarray) -> np.ndarray:
         """Bucket of each row of ORDER token ids."""
@@ -121,9 +127,9 @@ class SuffixIndex:
         last = np.r_[h[1:] != h[:-1], True]
         before = np.empty_like(positions)
         before[1:] = positions[:-1]
-        before[first] = self.head[h[first]]
+        before[first] = self.head[h[first]] - 1
         self.prev[positions % self.capacity] = before
-        self.head[h[last]] = positions[last]
+        self.head[h[last]] = positions[last] + 1
 
     def continuations(self, history: list[int], depth: int = 16, own: bool = True) -> Continuations | None:
         """What followed the longest-agreeing earlier occurrences of the history's end, up to `depth` tokens each, as
@@ -177,7 +183,7 @@ class SuffixIndex:
             return []
         oldest, cap = max(self.total - self.capacity, 0), self.capacity
         tokens, prev = memoryview(self.tokens), memoryview(self.prev)
-        q = memoryview(self.head)[self._bucket(history[-ORDER:])]
+        q = memoryview(self.head)[self._bucket(history[-ORDER:])] - 1
         found = []
         for _ in range(MAX_WALK):
             if q - ORDER < oldest:  # empty, or (partly) overwritten: the rest of the chain is older still
@@ -200,7 +206,12 @@ class SuffixIndex:
         it."""
         if other.capacity != self.capacity:
             raise ValueError(f"a suffix index of {other.capacity} tokens cannot replace one of {self.capacity}")
-        self.tokens[:], self.prev[:], self.head[:] = other.tokens, other.prev, other.head
+        held = min(other.total, other.capacity)  # (what it has written: the rest was never read, nor made resident)
+        self.tokens[:held], self.prev[:held] = other.tokens[:held], other.prev[:held]
+        if self.total:
+            self.head[np.flatnonzero(self.head)] = 0
+        used = np.flatnonzero(other.head)  # (only the heads in use: a copy of all would make every page resident)
+        self.head[used] = other.head[used]
         self.total, self.requests = other.total, other.requests
 
     def content(self) -> np.ndarray:
@@ -249,6 +260,19 @@ class SuffixIndex:
         index._append(seq)
         index.requests = data["requests"]
         return index
+
+
+def _reserved(n: int, dtype) -> np.ndarray:
+    """n zeros in fresh anonymous pages of the operating system's, resident only once written (the ring's in order as
+    it fills, the heads' as buckets are first used), in small pages: numpy asks for huge ones on big arrays, and one
+    head written would then make 2 MB resident."""
+    if not hasattr(mmap, "MAP_PRIVATE"):  # (Windows: no private anonymous maps; zeros, resident as numpy makes them)
+        return np.zeros(n, dtype=dtype)
+    size = max(n * np.dtype(dtype).itemsize, 1)
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared ones fill pages when read)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(pages, dtype=dtype, count=n)
 
 
 def _own_matches(history: list[int], span: int) -> list[tuple[int, int]]:
