@@ -169,28 +169,6 @@ def test_a_bucket_not_stepped_takes_the_factor_of_the_nearest_one_stepped():
     assert times.curve(100)[5] == pytest.approx(3 * CPU_LIKE.cost(5, 100))  # 5 tokens: now nearest to 6's bucket
 
 
-def test_every_few_plans_one_verifies_a_size_more_and_a_curve_that_overpriced_it_is_corrected():
-    """A curve measured in a bad spell prices the bigger sizes too dear; the plans alone would never step them, and
-    their borrowed factors would keep the curve's shape. Every EXPLORE-th plan verifies the next size up, so its true
-    price is learned, and the plans grow as far as the steps' real times say they pay. A pinned curve never explores."""
-    calibrated = curve(lambda T: 1.0 + 0.3 * (T - 1))  # what a bad spell measured
-    true = curve(lambda T: 1.0 + 0.02 * (T - 1))  # what the steps take
-    m = sure_chain()
-    trees = trained(AdaptiveTrees(calibrated))
-    first = plan(trees, m)[0].size
-    sizes = [first]
-    for _ in range(12 * AdaptiveTrees.EXPLORE - 1):
-        size = plan(trees, m)[0].size
-        sizes.append(size)
-        trees.observe_step(size, 100, true.seconds(size, 100))
-    explored = sizes[AdaptiveTrees.EXPLORE - 1]
-    assert explored == next(T for T in BUCKETS if T > first)  # the plan just above the first choice's size
-    assert sizes[: AdaptiveTrees.EXPLORE - 1] == [first] * (AdaptiveTrees.EXPLORE - 1)
-    assert sizes[-1] > explored  # learned: bigger trees pay, each explored size taking the plans one up
-    still = trained(AdaptiveTrees(calibrated, pinned=True))
-    assert {plan(still, m)[0].size for _ in range(2 * AdaptiveTrees.EXPLORE)} == {first}
-
-
 def test_the_decode_loop_times_its_steps_for_the_adaptive_tree(tiny):
     d = drafter("hybrid", CPU_LIKE, tiny.config.vocab_size)
     generate(tiny, d, [5, 6, 7, 8] * 4, 30)

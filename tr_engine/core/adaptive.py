@@ -213,12 +213,6 @@ class AdaptiveTrees:
     # percent at best, within the error of the estimates, while a wrong guess costs the whole batch's step
     # (bench/results/batch.md: at batch 16, drafting on a bare expected gain lost a few percent to plain decoding).
     BATCH_MARGIN = 0.05
-    # Every EXPLORE-th plan verifies one size more than it chose (the next bucket up, the next candidates in order), so
-    # StepTimes learns that size's price from the loop's own clock. Without it, a size the plans never chose kept the
-    # calibrated curve's shape: a curve measured in a bad spell (a forced AVX2 tier, float32: 8 tokens priced 1.68 plain
-    # steps against 1.13 timed twice in the same hour) kept every bigger tree unchosen for the whole run. One step in
-    # EXPLORE pays at most the price gap between two neighbouring sizes, less the tokens the extra nodes bring.
-    EXPLORE = 32
 
     def __init__(self, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu",
                  pinned: bool = False, shard: Shard = ALONE):
@@ -231,7 +225,6 @@ class AdaptiveTrees:
         self.max_step_tokens = self.buckets[-1]
         self._since = refresh  # rates on first use
         self._trees = TreeCache(1024)  # the trees planned lately, by their rank paths
-        self._plans = 0  # plans made (every EXPLORE-th explores)
 
     @property
     def cost(self) -> CostModel | None:
@@ -309,13 +302,9 @@ class AdaptiveTrees:
         path_of, extra_of = [{0: ()} for _ in roots], [{(): 0} for _ in roots]
         taken_extra, taken_tree = [set() for _ in roots], [{} for _ in roots]  # {(parent path, token): path}
         taken, total, expected = [], B, float(B)
-        totals, expecteds = [], []  # after each taken candidate
         margin = self.BATCH_MARGIN if B > 1 else 0.0
         best, best_value, self.expected = 0, B / cost(B) * (1 + margin), float(B)
-
-        def take() -> None:
-            """Take the most probable candidate left."""
-            nonlocal total, expected
+        while heap and total < sizes[-1]:
             neg, b, _, node = heapq.heappop(heap)
             taken.append((b, node))
             if isinstance(node, int):  # an extra node: its children become candidates
@@ -336,26 +325,11 @@ class AdaptiveTrees:
                 path_of[b][node], extra_of[b][path] = path, node
             if not twin:
                 total, expected = total + 1, expected - neg
-            totals.append(total)
-            expecteds.append(expected)
-
-        while heap and total < sizes[-1]:
-            take()
             if expected / cost(total) > best_value:
                 best, best_value, self.expected = len(taken), expected / cost(total), expected
             top = -heap[0][0] if heap else 0.0  # no bigger step can win once even the best candidates cannot
             if all((expected + top * (U - total)) / cost(U) <= best_value for U in sizes if U > total):
                 break
-        self._plans += 1
-        if self._plans % self.EXPLORE == 0 and not self.pinned:  # this step one size up, to learn its price
-            charged = next(T for T in sizes if T >= (totals[best - 1] if best else B))
-            target = next((T for T in sizes if T > charged), None)
-            if target is not None:
-                while heap and total < target:
-                    take()
-                grown = next((i + 1 for i, t in enumerate(totals) if t >= target), len(totals))
-                if grown > best and totals[grown - 1] > charged:
-                    best, self.expected = grown, expecteds[grown - 1]
         paths, chosen = [[] for _ in roots], [[] for _ in roots]
         for b, node in taken[:best]:
             if isinstance(node, int):
