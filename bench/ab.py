@@ -18,6 +18,9 @@ the curve and the before side plans with the same one. The trees can still part:
 online from its own step times (tr_engine/core/adaptive.py, StepTimes), and one different tree sends the recycling
 matrix down another path. So read the forwards and ms per forward beside the ratio, and a few percent either way as
 noise.
+
+`--curve FILE` gives both sides one curve from a file (a cached curve of $TR_ENGINE_HOME/costs/, or one a bad spell
+measured): how each checkout's planning copes with that curve.
 """
 
 import json
@@ -92,10 +95,11 @@ def run(args) -> dict:
     for dtype in args.dtypes:
         config = dict(model=args.model, dtype=dtype, threads=args.threads, method=args.method,
                       max_new_tokens=args.max_new_tokens)
-        workers = {"after": Worker(Path(args.after), config)}
+        given = curve_file(args.curve) if args.curve else None
+        workers = {"after": Worker(Path(args.after), {**config, "curve": given})}
         try:
-            workers["before"] = Worker(Path(args.before), {**config, "curve": workers["after"].curve
-                                                           if args.shared_curve else None})
+            workers["before"] = Worker(Path(args.before), {**config, "curve": given or (
+                workers["after"].curve if args.shared_curve else None)})
         except BaseException:
             workers["after"].close()
             raise
@@ -147,6 +151,18 @@ def price(curve: dict, tokens: int) -> str:
     return f"{curve['relative'][0][sizes.index(tokens)]:.2f}" if tokens in sizes else "-"
 
 
+def curve_file(path: Path) -> dict:
+    """A cost curve from a JSON file as the engine caches them (buckets, prefixes, relative, plain_s)."""
+    from tr_engine.errors import UserError
+
+    try:
+        c = json.loads(path.read_text())
+        return {"sizes": list(c["buckets"]), "prefixes": list(c["prefixes"]), "relative": c["relative"],
+                "plain_s": c["plain_s"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--curve {path} is not a cost curve file ({e}); give one of $TR_ENGINE_HOME/costs/") from None
+
+
 def write(path: Path, data: dict, info: dict, args) -> str:
     from bench.machine import machine_line, save_results
 
@@ -155,7 +171,8 @@ def write(path: Path, data: dict, info: dict, args) -> str:
              f"{machine_line(info)}. {args.method}, greedy, {args.max_new_tokens} new tokens at most, {args.threads} "
              f"threads; {args.questions} questions of {args.questions_file.name} (first turns), interleaved question "
              "by question in two warm processes, each from an empty matrix and "
-             + ("the cost curve the after side measured at its start." if args.shared_curve
+             + (f"the cost curve of {args.curve}." if args.curve else
+                "the cost curve the after side measured at its start." if args.shared_curve
                 else "a cost curve it measured at its start."), "",
              "| dtype | before tok/s | after tok/s | after/before | per-question median (min-max) | identical "
              "| forwards before/after | ms per forward before/after | tokens verified per forward before/after "
@@ -170,6 +187,7 @@ def write(path: Path, data: dict, info: dict, args) -> str:
                      f"{d['verified_per_forward']['after']:.2f} | {price(d['curves']['before'], 8)}/"
                      f"{price(d['curves']['after'], 8)} |")
     meta = {"before": before, "after": after, "method": args.method, "shared_curve": args.shared_curve,
+            "curve": str(args.curve) if args.curve else None,
             "max_new_tokens": args.max_new_tokens, "threads": args.threads}
     return save_results(path, "\n".join(lines) + "\n", {**meta, **data}, info)
 
@@ -191,6 +209,8 @@ def main(argv=None) -> int:  # (the imports here, not at the top: a worker impor
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shared-curve", action="store_true",
                     help="both sides plan with the after side's cost curve (the kernels and loop compared alone)")
+    ap.add_argument("--curve", type=Path, default=None, metavar="FILE",
+                    help="both sides plan with the cost curve in FILE (a JSON curve as $TR_ENGINE_HOME/costs/ holds)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ab")
     args = ap.parse_args(argv)
     for side in SIDES:

@@ -174,6 +174,21 @@ def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
     data = json.loads(out.with_suffix(".json").read_text())["float32"]
     assert data["curves"]["before"] == data["curves"]["after"] and data["identical"] == 3
     assert "the cost curve the after side measured" in out.with_suffix(".md").read_text()
+    # with --curve FILE both plan with the file's curve (a cached one's format), whatever they would measure
+    given = {"buckets": data["curves"]["after"]["sizes"], "prefixes": data["curves"]["after"]["prefixes"],
+             "relative": [[1.0 + 0.5 * i for i in range(len(data["curves"]["after"]["sizes"]))]] * 2,
+             "plain_s": data["curves"]["after"]["plain_s"], "key": {}}
+    (tmp_path / "curve.json").write_text(json.dumps(given))
+    proc = run_module("bench.ab", "--before", repo, "--after", repo, "--model", str(tiny_factory("bench-ab")),
+                      "--dtypes", "float32", "--questions", "3", "--questions-file", str(questions),
+                      "--max-new-tokens", "6", "--threads", "1", "--out", str(out),
+                      "--curve", str(tmp_path / "curve.json"))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.with_suffix(".json").read_text())["float32"]
+    assert data["curves"]["before"]["relative"] == data["curves"]["after"]["relative"] == given["relative"]
+    (tmp_path / "curve.json").write_text("{}")
+    bad = run_module("bench.ab", "--before", repo, "--curve", str(tmp_path / "curve.json"), "--out", str(out))
+    assert_one_line_error(bad, "curve.json", "not a cost curve file")
     bad = run_module("bench.ab", "--before", str(tmp_path / "nowhere"), "--out", str(out))
     assert_one_line_error(bad, "nowhere", "not a tr-engine checkout")
 
