@@ -313,7 +313,8 @@ def test_the_index_is_saved_beside_the_matrix_and_loaded_with_it(tiny_factory, t
     assert runs[0]["token_ids"] == runs[1]["token_ids"]
     # The second run drafted the first one's answer from the loaded index: a third of it at least.
     suffix = [r["speculative_decoding"]["by_source"]["suffix"]["num_accepted_tokens"] for r in runs]
-    assert suffix[1] >= 8 and suffix[1] > suffix[0] and runs[1]["steps"] < runs[0]["steps"], (suffix, [r["steps"] for r in runs])
+    steps = [r["steps"] for r in runs]
+    assert suffix[1] >= 8 and suffix[1] > suffix[0] and steps[1] < steps[0], (suffix, steps)
     saved = torch.load(beside(matrix), weights_only=True)
     assert saved["requests"] == 2 and beside(matrix).name == "m.suffix.pt"
     torch.save({**saved, "tokens": torch.tensor([1, 5000], dtype=torch.int32)}, beside(matrix))

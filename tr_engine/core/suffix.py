@@ -8,11 +8,12 @@ after each, the oldest overwritten first; and a hash chain per context of ORDER 
 earlier matches: head[h] is the latest position whose preceding ORDER tokens hash to h (plus one: 0 is none), prev[p]
 the one before it with the same hash. The arrays are reserved at the bound but never filled up front (a position is
 read only once written; the heads' 0 is the operating system's fresh page), so an index costs memory as it learns,
-not at creation: that is what lets every engine keep one by default. A lookup walks the chain of the history's last ORDER tokens (newest first, at most MAX_WALK links,
-stopping at the first position the ring has overwritten), measures how far back each match agrees with the history
-(up to MAX_MATCH tokens), keeps the matches of the longest agreement (the deepest node of a suffix tree; at most
-MAX_USED, the sequence's own text first, then the newest), and counts what followed them: a trie of continuations,
-each node's count the number of matches that continued with its path. A node's count over the matches' is its
+not at creation: that is what lets every engine keep one by default. A lookup walks the chain of the history's last
+ORDER tokens (newest first, at most MAX_WALK links, stopping at the first position the ring has overwritten),
+measures how far back each match agrees with the history (up to MAX_MATCH tokens), keeps the matches of the longest
+agreement (the deepest node of a suffix tree; at most MAX_USED, the sequence's own text first, then the newest), and
+counts what followed them: a trie of continuations, each node's count the number of matches that continued with its
+path. A node's count over the matches' is its
 empirical probability; the drafts take the likeliest nodes. The history's own earlier text is searched too (it is not
 in the index until its request ends).
 
