@@ -87,10 +87,11 @@ class SuffixIndex:
 
     @property
     def nbytes(self) -> int:
-        """The bytes the index uses at most now: its held tokens' ring and chain entries, and the heads they can
-        have touched (at most one per held token, all of them once it holds as many tokens as there are heads)."""
+        """The most memory the index can have made resident: its held tokens' ring and chain entries (written in
+        order), and the pages of heads they can have touched (one page per held token at most: the buckets are
+        scattered, so a few thousand tokens touch every page of the heads)."""
         held = min(self.total, self.capacity)
-        return held * (self.tokens.itemsize + self.prev.itemsize) + min(held, self.buckets) * self.head.itemsize
+        return held * (self.tokens.itemsize + self.prev.itemsize) + min(self.head.nbytes, held * mmap.PAGESIZE)
 
     def _hash(self, contexts: np.ndarray) -> np.ndarray:
         """Bucket of each row of ORDER token ids."""

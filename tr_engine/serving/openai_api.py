@@ -373,7 +373,8 @@ def suffix_index_metrics(index) -> list[tuple]:
     """The suffix index's size against its bound (none without an index: --suffix-index 0)."""
     if index is None:
         return []
-    return [("suffix_index_bytes", "gauge", index.nbytes, "Bytes the suffix index uses (resident as it fills)."),
+    return [("suffix_index_bytes", "gauge", index.nbytes,
+             "The most memory the suffix index can have made resident (it grows as the index fills)."),
             ("suffix_index_bound_bytes", "gauge", index.capacity * BYTES_PER_TOKEN, "The suffix index's bound."),
             ("suffix_index_tokens", "gauge", min(index.total, index.capacity), "Tokens the suffix index holds."),
             ("suffix_index_requests_total", "counter", index.requests, "Requests the suffix index learned from.")]
