@@ -118,10 +118,12 @@ bench-peers: model $(DEV)
 bench-soak: model $(DEV)
 	$(PY) -m bench.chat_soak
 
-# The server with 1, 4 and 16 concurrent OpenAI clients, then its soak run (500 requests from 16 clients).
+# The server with 1, 4 and 16 concurrent OpenAI clients, then its soak run (500 requests from 16 clients), then what
+# a long prompt joining a running batch costs the others, prefilled whole and in chunks (about a minute).
 bench-serve: model $(DEV)
 	$(PY) -m bench.serve
 	$(PY) -m bench.serve --soak
+	$(PY) -m bench.prefill_stall
 
 # Compile every CUDA kernel for Ampere and Hopper with nvcc alone, and the torch-facing launchers against torch's
 # headers (no CUDA build of torch needed).

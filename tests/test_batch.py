@@ -165,6 +165,117 @@ def test_stream_batch_yields_each_requests_text(tiny64):
     assert [pieces.get(i, "") for i in range(5)] == [r.text for r in results]
 
 
+LONG = ["the sea " * 12 + "and the cat sat on the mat", "one two three four five six seven " * 4]
+
+
+def logged_batch(monkeypatch, engine, prompts, lengths, method="ar"):
+    """Decode `prompts` (each to its own length) in engine's batch, logging what happens between two steps: ("prefill",
+    request id, tokens) for each prefill call and ("step", the request ids stepped) for each step. Returns the
+    requests' tokens by id and the log."""
+    import tr_engine.core.batch as batch
+    from tr_engine.core.batch import Request
+
+    log, prefill, step = [], batch.prefill_and_seed, batch.step
+    now = {}
+
+    def logged_prefill(model, cache, ids, seed_matrix=None):
+        log.append(("prefill", now["request"], len(ids)))
+        return prefill(model, cache, ids, seed_matrix)
+
+    def logged_step(model, caches, histories, *args, **kwargs):
+        log.append(("step", len(histories)))
+        return step(model, caches, histories, *args, **kwargs)
+
+    monkeypatch.setattr(batch, "prefill_and_seed", logged_prefill)
+    monkeypatch.setattr(batch, "step", logged_step)
+    requests = [Request(i, engine.prompt_ids(p), n) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    for r in requests:  # (the prefill logs the request whose slot it fills)
+        r.prompt_ids = _Tagged(r.prompt_ids, r.id, now)
+    out = {r.id: [] for r in requests}
+    for event in engine.batch_loop(requests, method):
+        assert event.error is None, event.error
+        out[event.request] += event.tokens
+    return out, log
+
+
+class _Tagged(list):
+    """A prompt's ids that say whose they are when a prefill takes a slice of them (logged_batch)."""
+
+    def __init__(self, ids, request, now):
+        super().__init__(ids)
+        self.request, self.now = request, now
+
+    def __getitem__(self, i):
+        self.now["request"] = self.request
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("model,dtype", [("tiny64", "float64"), ("tiny_bf16", "bfloat16")])
+@pytest.mark.parametrize("method", ["ar", "hybrid"])
+def test_a_long_prompt_joins_a_chunk_between_steps_and_every_answer_stays_its_own(model, dtype, method, request,
+                                                                                   monkeypatch):
+    """A long prompt that joins while others decode is prefilled --prefill-chunk tokens at a time, one chunk
+    between two steps of the others (never more than one chunk holds them up), and every request, the long ones
+    too, gets exactly the tokens it gets alone."""
+    engine = Engine.from_pretrained(request.getfixturevalue(model), dtype=dtype, max_batch=2)
+    prompts, lengths = [PROMPTS[0], PROMPTS[3], *LONG], [30, 3, 12, 12]
+    want = [engine.generate(p, max_new_tokens=n, method="ar").token_ids for p, n in zip(prompts, lengths)]
+    engine.prefill_chunk = 5
+    got, log = logged_batch(monkeypatch, engine, prompts, lengths, method)
+    assert [got[i] for i in range(4)] == want
+    long_ids = [len(engine.prompt_ids(p)) for p in LONG]
+    assert min(long_ids) > 3 * engine.prefill_chunk
+    # Request 2 joins when request 1 ends, 3 when request 0 does. Once steps run, one prefill at most between two, of
+    # one chunk, unless nobody else decodes (the next step steps the request alone: 3's rest once 2 has ended).
+    chunks = [e for e in log if e[0] == "prefill" and e[1] >= 2]
+    assert len(chunks) >= 6 and sum(n for _, r, n in chunks if r == 2) == long_ids[0]
+    steps = [i for i, e in enumerate(log) if e[0] == "step"]
+    for i, j in zip(steps, steps[1:]):
+        between = log[i + 1 : j]
+        assert len(between) <= 1 and all(n <= engine.prefill_chunk or log[j] == ("step", 1) for *_, n in between), log
+    engine.prefill_chunk = None  # off: each prompt in one prefill
+    got, log = logged_batch(monkeypatch, engine, prompts, lengths, method)
+    assert [got[i] for i in range(4)] == want
+    assert [n for e, _, n in (e for e in log if e[0] == "prefill")] == [len(engine.prompt_ids(p)) for p in prompts]
+
+
+def test_prompts_are_not_cut_where_chunks_would_not_be_exact(tiny64, monkeypatch):
+    """The reference ops attend a prompt chunk through PyTorch's attention, which promises no bits: whole prompts."""
+    engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=2, ops="reference")
+    assert not engine.model.chunks_exact and Engine.from_pretrained(tiny64, dtype="float64").model.chunks_exact
+    engine.prefill_chunk = 5
+    prompts, lengths = [PROMPTS[0], PROMPTS[3], *LONG], [30, 3, 12, 12]
+    _, log = logged_batch(monkeypatch, engine, prompts, lengths)
+    assert [n for e, _, n in (e for e in log if e[0] == "prefill")] == [len(engine.prompt_ids(p)) for p in prompts]
+
+
+def test_a_joining_request_cancelled_or_stopped_between_its_chunks_gives_its_slot_back(tiny64):
+    from tr_engine.core.batch import Request
+
+    engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=2)
+    engine.prefill_chunk = 5
+    requests = [Request(i, engine.prompt_ids(p), n) for i, (p, n) in enumerate(zip([PROMPTS[0], LONG[0]], [30, 8]))]
+    events = []
+    for event in engine.batch_loop(requests, "hybrid"):
+        events.append(event)
+        if len(events) == 2:  # request 0's first step: request 1 is joining, a chunk done
+            requests[1].cancel()
+    cancelled = [e for e in events if e.request == 1]
+    assert [(e.tokens, e.error) for e in cancelled] == [([], "cancelled")]
+    assert cancelled[0].done.finish_reason == "cancelled" and 0 < cancelled[0].done.prompt_tokens < len(
+        requests[1].prompt_ids)
+    assert [t for e in events if e.request == 0 for t in e.tokens] == alone(engine, [PROMPTS[0]], 30)[0]
+    assert engine.batch_cache().free() == 2
+    steps = engine.batch_loop([Request(i, engine.prompt_ids(p), 20) for i, p in enumerate([PROMPTS[0], LONG[1]])],
+                              "tr")
+    for _ in range(3):  # stopped (a closed stream, Ctrl-C) while request 1 is between its chunks
+        next(steps)
+    steps.close()
+    assert engine.batch_cache().free() == 2
+    results = engine.generate_batch([PROMPTS[0], *LONG], max_new_tokens=10, method="tr")
+    assert [r.token_ids for r in results] == alone(engine, [PROMPTS[0], *LONG], 10)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16"])  # (float32 rounds less: the tiny models' float32 tests hold it)
 def test_smollm2_a_batch_of_8_dev_questions_is_plain_decoding_alone(smollm2_dir, dtype, request):

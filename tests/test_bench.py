@@ -225,6 +225,20 @@ def test_batch_bench_on_a_tiny_model(tiny_factory, tmp_path):
     assert "3 questions of w.jsonl" in text and "the median of 3 rounds" in text
 
 
+def test_prefill_stall_compares_whole_and_chunked_prompts_joining_a_batch(tiny_factory, tmp_path):
+    proc = bench_main("bench.prefill_stall", "--model", str(tiny_factory("bench-stall")), "--dtype", "float32",
+                      "--prompt-tokens", "120", "--chunks", "0", "16", "--max-new-tokens", "16", "--after", "2",
+                      "--rounds", "2", "--threads", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "prefill_stall.json").read_text())
+    whole, chunked = record["median"]["0"], record["median"]["16"]
+    assert record["prompt_tokens"] > 120 and whole["identical"] == chunked["identical"] == 4
+    assert [len(record["runs"][c]) for c in ("0", "16")] == [2, 2]
+    assert chunked["long_prefill_s"] > 0 and whole["first_token_s"] >= whole["long_prefill_s"]
+    text = (tmp_path / "prefill_stall.md").read_text()
+    assert "| whole |" in text and "| 16 |" in text and "the median of 2 runs" in text
+
+
 def test_serve_bench_and_its_soak_on_a_tiny_model(tiny_factory, tmp_path):
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"Question {i}?"]}) + "\n"

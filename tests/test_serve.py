@@ -98,7 +98,10 @@ def alone(tiny):
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    s = Server(tiny, "--dtype", "float64", "--batch", "3", "--no-persist", "--max-context", "256")
+    # (prompts in chunks of 4 tokens: every request that arrives while others decode joins a chunk per step, so the
+    # tests that hold answers to the engine's alone, concurrent clients and disconnects included, hold chunking too)
+    s = Server(tiny, "--dtype", "float64", "--batch", "3", "--no-persist", "--max-context", "256",
+               "--prefill-chunk", "4")
     yield s
     code, out = s.stop()
     assert code == 0, out
@@ -244,6 +247,16 @@ def concurrent_answers(server) -> list[str]:
 
 def test_eight_concurrent_clients_get_what_each_gets_alone(server, alone):
     assert concurrent_answers(server) == [alone(messages(p)).text for p in PROMPTS]
+
+
+def test_the_servers_prefill_chunk_is_the_engines_and_a_bad_one_is_refused_in_a_line(tiny):
+    from tr_engine.cli import serve
+    from tr_engine.engine import DEFAULT_PREFILL_CHUNK
+
+    assert serve.build_parser().parse_args(["--model", tiny]).prefill_chunk == DEFAULT_PREFILL_CHUNK
+    out = subprocess.run([sys.executable, "-m", "tr_engine.serve", "--model", tiny, "--prefill-chunk", "-1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--prefill-chunk" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_stop_sequences_end_the_text_before_them(server, alone):

@@ -35,6 +35,10 @@ from tr_engine.model.tokenizer import StreamDecoder, Tokenizer
 
 DEFAULT_MAX_BATCH = 8  # sequences decoded together by generate_batch (--batch)
 DEFAULT_BATCH_CONTEXT = 2048  # each batched sequence's cache capacity unless --max-context says otherwise
+# A prompt that joins a running batch is prefilled this many tokens at a time, one chunk between two of the batch's
+# steps (tr_engine/core/batch.py), so that it holds the others up for one chunk's forward at a time, not its whole
+# prefill (--prefill-chunk). bench/results/prefill_stall.md measures it.
+DEFAULT_PREFILL_CHUNK = 256
 
 
 class Engine:
@@ -72,6 +76,7 @@ class Engine:
         if self.cuda_graphs:
             self.runners.use_graphs(BUCKETS, self.tree.size)
         self.plain_above = plain_above  # a batch of more sequences decodes plainly (disable_by_batch_size)
+        self.prefill_chunk = DEFAULT_PREFILL_CHUNK  # a joining prompt's tokens per step boundary (None: all at once)
         self.on_calibrate = None  # hears the cost curve's measurement: (fraction done, doubt) (cost_model)
 
     @property
@@ -258,7 +263,8 @@ class Engine:
         drafter = self.priced(method)
         cache = self.batch_cache()  # (then the batch's runner is set)
         return batch_steps(self.runners.batch_runner, cache, requests, drafter, self.tokenizer.eos_ids, self.ops,
-                           limit, reuse_prefix, seeder(drafter, seed_from_prompt), self.plain_above, self.pace)
+                           limit, reuse_prefix, seeder(drafter, seed_from_prompt), self.plain_above, self.pace,
+                           self.prefill_chunk)
 
     def priced(self, method: str | None, drafter=None):
         """The drafter a decode loop runs for `method` (default the engine's; `drafter` given: that one), its adaptive

@@ -2,12 +2,13 @@
 
     python -m tr_engine.serve --model NAME_OR_PATH [--host 127.0.0.1] [--port 8000] [--batch N] [--max-queued Q]
         [--served-model-name NAME] [--matrix FILE | --no-persist] [--save-every S] [--grace S] [--access-log]
-        [--prefix-reuse on|off] [--method hybrid|tr|pld|ar] [--tree ...] [--dtype D] [--threads T] ...
+        [--prefix-reuse on|off] [--prefill-chunk N] [--method hybrid|tr|pld|ar] [--tree ...] [--dtype D] ...
 
 Every request joins the running batch as it arrives (tr_engine/serving/scheduler.py), so each client gets exactly what
 it would get alone while Token Recycling's one matrix learns from every client, and a conversation's next turn finds its
-earlier turns still in a slot's cache (prefix reuse, least recently used slots emptied first). The endpoints and
-their errors:
+earlier turns still in a slot's cache (prefix reuse, least recently used slots emptied first). A long prompt joins
+--prefill-chunk tokens at a time, one chunk between two steps, so the streams already running keep going meanwhile.
+The endpoints and their errors:
 tr_engine/serving/openai_api.py. HTTP and server-sent events are FastAPI on uvicorn, as vLLM and SGLang serve theirs.
 
 Under tensor parallelism (`torchrun --nproc-per-node N -m tr_engine.serve --tp N ...`) every rank runs the batch loop
@@ -33,6 +34,7 @@ from tr_engine.cli.common import EXIT_BUG, ArgumentParser, run
 from tr_engine.errors import MatrixFileError, UserError, warn
 from tr_engine.serving.protocol import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, timed_protocol
 
+DEFAULT_PREFILL_CHUNK = 256  # (the engine's: tr_engine/engine.py, which imports torch)
 DEFAULT_PORT = 8000
 DEFAULT_BATCH = 8
 DEFAULT_MAX_QUEUED = 64
@@ -80,6 +82,11 @@ def build_parser() -> ArgumentParser:
                     help="on (default): a request whose prompt starts with what a free slot holds (the conversation's "
                          "earlier turns, a shared system prompt) prefills only the rest; off: every request prefills "
                          "its whole prompt")
+    ap.add_argument("--prefill-chunk", type=integer(0), default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                    help="a prompt that arrives while others decode is prefilled N tokens at a time, one chunk "
+                         "between two of their steps, so it holds them up for one chunk at a time (default "
+                         f"{DEFAULT_PREFILL_CHUNK}; 0: whole prompts; on a CPU with the compiled kernels, where chunks "
+                         "are exact)")
     ap.add_argument("--access-log", action="store_true", help="log every request's line on stderr")
     add_matrix_args(ap)
     return ap
@@ -96,6 +103,7 @@ def main(argv=None) -> int:
 
     one_malloc_arena()  # (so that a large request's memory goes back: its docstring)
     engine = engine_from_args(args)
+    engine.prefill_chunk = args.prefill_chunk or None
     save_to = load_matrix(args, engine)
     # The batch loop runs here, on the thread that loaded the model, and HTTP on a thread of its own: one OpenMP team
     # for every parallel op (tr_engine/serving/scheduler.py says what a second one costs).

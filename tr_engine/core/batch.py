@@ -15,8 +15,12 @@ holds), and the rest of the model works row by row, so a sequence's logits in a 
 gets alone; what it accepts and commits is then plain decoding's (tests/test_batch.py holds it to that).
 
 Continuous batching: a request joins at the next step boundary once a slot is free (its prompt prefilled alone, in
-its slot, between steps), and leaves when it ends; its slot is reused at once. A request that cannot run (an empty or
-oversize prompt) fails alone, with a one-line error, and the others go on.
+its slot, between steps), and leaves when it ends; its slot is reused at once. A long prompt that joins while others
+decode is prefilled a chunk at a time, one chunk between two of their steps (`prefill_chunk`), so that it holds them
+up for one chunk's forward at most, not for its whole prefill: the chunks cache the same K/V and give the same logits
+as one prefill where the model says so (Llama.chunks_exact: the CPU kernels attend each row as its decode step would),
+and only there are prompts cut. A request that cannot run (an empty or oversize prompt) fails alone, with a one-line
+error, and the others go on.
 """
 
 import threading
@@ -114,7 +118,8 @@ class Listed:
 
 def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: tuple[int, ...], ops,
                 limit: int | None = None, reuse_prefix: bool = False, seed_matrix: Callable | None = None,
-                plain_above: int | None = None, pace: Callable[[], None] | None = None):
+                plain_above: int | None = None, pace: Callable[[], None] | None = None,
+                prefill_chunk: int | None = None):
     """Decode `requests` with at most `limit` (default cache.slots) of them in each forward, drafting with `drafter`
     (None: plain decoding). Yields Events as tokens are committed; a request ends with an Event carrying its
     Generation or its error. `requests` is an iterable of Requests in id order, or a source whose take(block)
@@ -127,15 +132,21 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     receives every prefill's logits at each prefilled position (Token Recycling's optional prompt seeding). With
     `plain_above`, a step of more sequences than that decodes plainly (--speculative-config's disable_by_batch_size);
     a request's `max_draft` caps its own drafts. `pace()`, if given, is called before each step (the engine's CPU
-    thread count following the machine's load: tr_engine/model/threads.py)."""
+    thread count following the machine's load: tr_engine/model/threads.py). With `prefill_chunk`, a prompt of more
+    new tokens than that which joins while other requests decode is prefilled that many tokens at a time, one chunk
+    between two steps, where chunks are exact (model.chunks_exact; elsewhere whole, as without it)."""
     limit = cache.slots if limit is None else min(limit, cache.slots)
     source, active = requests if hasattr(requests, "take") else Listed(requests), {}
     clock, before = PhaseClock(), {}  # the steps' seconds by phase (the whole batch's), and at the last step's start
+    chunk = prefill_chunk if prefill_chunk and model.chunks_exact else None
+    joining: dict[int, Request] = {}  # requests whose prompts are being prefilled a chunk at a time, in arrival order
 
     def ends(r: Request) -> tuple[int, ...]:
         return () if r.ignore_eos else eos_ids
 
     def admit(r: Request):
+        """Take a slot for `r` and prefill its prompt whole (then it is active: its first token's Event, or its
+        error's), or, when it is long and others decode, leave it joining, a chunk at each step boundary (None)."""
         r.slot = cache.take(r.prompt_ids if reuse_prefix else None)
         view = cache.view(r.slot)
         try:
@@ -143,21 +154,47 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 raise UserError("the prompt is empty; give some text to answer")
             new = uncached(view, r.prompt_ids)  # (a batch's slot holds nothing; a conversation's cache, its turns)
             view.check_room(len(new) + r.max_new_tokens, "the prompt plus --max-new-tokens")
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                logits = prefill_and_seed(model, view, new, seed_matrix)
-                first = int(greedy(logits, ops)) if r.sampler is None else r.sampler.draw(logits, 0)
         except UserError as e:
             cache.give_back(r.slot, r.prompt_ids)  # (what it held before still holds)
             return Event(r.id, [], error=str(e))
-        except BaseException:  # Ctrl-C in a prefill, say: the slot is free again
+        r.reused = len(r.prompt_ids) - len(new)
+        if chunk is not None and len(new) > chunk and (active or joining):
+            joining[r.id] = r  # (its chunks come one per step boundary, from the next one on)
+            return None
+        return prefill_rest(r)
+
+    def prefill_rest(r: Request, most: int | None = None):
+        """Prefill the next `most` (default: all) of `r`'s prompt tokens its slot does not hold yet; after the last,
+        `r` joins the active requests with its first token (the Event returned; None before that)."""
+        view = cache.view(r.slot)
+        new = uncached(view, r.prompt_ids)
+        part = new if most is None else new[:most]
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                logits = prefill_and_seed(model, view, part, seed_matrix)
+                done = len(part) == len(new)
+                first = None if not done else int(greedy(logits, ops)) if r.sampler is None else \
+                    r.sampler.draw(logits, 0)
+        except BaseException:  # Ctrl-C in a prefill, say: the slot is free again (keeping the chunks done)
+            joining.pop(r.id, None)
             cache.give_back(r.slot, r.prompt_ids)
             raise
+        r.prefill_s += time.perf_counter() - t0
+        r.prefilled += len(part)
+        if not done:
+            return None
+        joining.pop(r.id, None)
         r.started = time.perf_counter()
-        r.prefill_s, r.prefilled, r.reused = r.started - t0, len(new), len(r.prompt_ids) - len(new)
         r.commit([first])
         active[r.id] = r
         return Event(r.id, [first])
+
+    def joined(event: Event, r: Request) -> Event:
+        """`event` (a request's first token), ended at once where that token already ends it."""
+        if event.error is None and (event.tokens[0] in ends(r) or r.max_new_tokens == 1):
+            event.done = finish(r)
+        return event
 
     remember = getattr(drafter, "remember", None)  # a drafter that learns from whole sequences (a suffix index)
 
@@ -170,26 +207,37 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
             remember(r.history)
         return r.generation(ends(r))
 
+    def drop(r: Request) -> Generation:
+        """A joining request cancelled before its first token: its slot back, with the chunks it prefilled."""
+        del joining[r.id]
+        cache.give_back(r.slot, r.prompt_ids)
+        r.started = time.perf_counter()
+        return r.generation(ends(r))
+
     ended = False
     try:
         while True:
             if pace is not None:
                 pace()
-            for r in source.leaving(list(active.values())):  # cancelled since the last step
-                yield Event(r.id, [], done=finish(r), error="cancelled")
-            while not ended and cache.free() and len(active) < limit:  # join at the step boundary
-                r = source.take(block=not active)
+            for r in source.leaving(list(active.values()) + list(joining.values())):  # cancelled since the last step
+                yield Event(r.id, [], done=drop(r) if r.id in joining else finish(r), error="cancelled")
+            while not ended and cache.free() and len(active) + len(joining) < limit:  # join at the step boundary
+                r = source.take(block=not active and not joining)
                 if r is None:
                     break
                 if r is END:
                     ended = True
                     break
                 event = admit(r)
-                if event.error is None and (event.tokens[0] in ends(r) or r.max_new_tokens == 1):
-                    event.done = finish(r)
-                yield event
+                if event is not None:
+                    yield joined(event, r)
+            if joining:  # one chunk of the earliest joining prompt between two steps (all of it when none decodes)
+                r = next(iter(joining.values()))
+                event = prefill_rest(r, chunk if active else None)
+                if event is not None:
+                    yield joined(event, r)
             if not active:
-                if ended:
+                if ended and not joining:
                     return
                 continue
             order = sorted(active.values(), key=lambda r: r.id)  # request order: the order they recycle in
@@ -215,10 +263,11 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 r.drafts.count(draft.tree.size, draft.sources, path[: len(tokens)])
                 yield Event(r.id, tokens, done=finish(r) if finished else None)
     finally:  # stopped early (Ctrl-C, a closed stream, an error): the slots go back, emptied (a step may have been
-        for r in list(active.values()):  # cut between a compaction and its commit), the sequences are dropped
-            cache.view(r.slot).length = 0
+        for r in list(active.values()) + list(joining.values()):  # cut between a compaction and its commit), the
+            cache.view(r.slot).length = 0  # sequences are dropped
             cache.give_back(r.slot)
         active.clear()
+        joining.clear()
 
 
 def verify_batch(model: Llama, cache: BatchKVCache, slots: list[int], drafts: list[Draft]) -> torch.Tensor:

@@ -67,6 +67,10 @@ class Graphs:
     def ops(self):
         return self.model.ops  # (the decode loops' greedy choice reads them)
 
+    @property
+    def chunks_exact(self) -> bool:
+        return self.model.chunks_exact  # (a GPU's: False)
+
     def smallest(self, T: int, room: int) -> int | None:
         """The bucket of a T-token step with `room` positions for it, or None to run it eagerly."""
         b = next((b for b in self.buckets if b >= T), None)

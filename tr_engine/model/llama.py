@@ -263,6 +263,13 @@ class Llama(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    @property
+    def chunks_exact(self) -> bool:
+        """Whether a prompt prefilled in chunks caches the same K/V and gives the same logits as prefilled whole: on a
+        CPU with the compiled attention op, which attends each prompt row as the decode step at its position would
+        (forward's comment on prompt chunks); PyTorch's fused attention makes no such promise."""
+        return self.device.type == "cpu" and is_compiled(self.ops, "tree_attention")
+
     def set_max_positions(self, n: int) -> None:
         """Precompute the rotary table for positions 0..n-1 (the cache capacity), in the model's dtype and device."""
         self.rope_cos, self.rope_sin = rope_table(self.config, n, self.dtype, self.device)
