@@ -450,7 +450,7 @@ def test_a_large_request_leaves_the_server_as_big_as_before(tiny):
     """A prompt just under the default body limit (1 MiB: 200,000 tokens, far past the context) is tokenized on a
     worker thread and refused with a 400; the memory its parse and tokens took goes back to the system after it
     (glibc kept it: 269 MB before three such prompts, 476 MB after; and with the trim alone, 37-40 MB at the top of
-    the worker thread's own malloc arena, which malloc_trim does not reach: weights.one_malloc_arena), so the
+    the worker thread's own malloc arena, which malloc_trim does not reach: weights.server_malloc), so the
     server's resident size ends within 10% of where it began."""
     s = Server(tiny, "--dtype", "float64", "--no-persist", "--max-context", "256")
     try:

@@ -98,10 +98,10 @@ def main(argv=None) -> int:
     leader = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # (--tp under torchrun: rank 0 alone serves HTTP)
     listener = listen(args.host, args.port) if leader else None  # and a port that is taken
     from tr_engine.serving.openai_api import Defaults, create_app  # imports torch and FastAPI: after the checks
-    from tr_engine.model.weights import one_malloc_arena
+    from tr_engine.model.weights import server_malloc
     from tr_engine.serving.scheduler import Scheduler
 
-    one_malloc_arena()  # (so that a large request's memory goes back: its docstring)
+    server_malloc()  # (so that what a request takes goes back to the system: its docstring)
     engine = engine_from_args(args)
     engine.prefill_chunk = args.prefill_chunk or None
     save_to = load_matrix(args, engine)
