@@ -576,9 +576,10 @@ def test_torchrun_serves_tp2_and_answers_the_openai_client_as_one_process_does(t
     cleanly, the running requests finished first."""
     launcher = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
     # (a 20 s collective timeout: a heartbeat every 5 s, parallel.heartbeat_s(), so that idling past one takes 6 s; the
-    # static tree: no verify cost curve measured at TP=2, the generate command's test does that)
+    # static tree: no verify cost curve measured at TP=2, the generate command's test does that; prompts joining in
+    # chunks of 4 tokens: both ranks cut them alike)
     server = Server(tiny, "--tp", "2", "--dtype", "float64", "--batch", "3", "--no-persist", "--max-context", "256",
-                    "--tree", "2.2.2", launcher=launcher, env={"TR_ENGINE_TP_TIMEOUT_S": "20"})
+                    "--tree", "2.2.2", "--prefill-chunk", "4", launcher=launcher, env={"TR_ENGINE_TP_TIMEOUT_S": "20"})
     try:
         want = [alone(messages(p)).text for p in PROMPTS]
         assert concurrent_answers(server) == want
