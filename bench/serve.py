@@ -5,8 +5,9 @@
     python -m bench.serve --soak [--requests 500] [--soak-clients 16] [--suffix-index MB --kill]
     python -m bench.serve --multi-turn [--batch 4]
 
-Load: for each method a fresh server (its matrix warmed first on other questions), and for each client count the
-same questions, taken from one shared list by whichever client is free. Reported: total throughput (every answer's
+Load: for each method and client count a fresh server (its matrix and suffix index warmed first on other questions, so
+that no row drafts from the answers an earlier row gave), the same questions in every row, taken from one shared list
+by whichever client is free. Reported: total throughput (every answer's
 tokens over the wall clock), time to first token (TTFT: request sent to its first text) and time per output token
 after the first (TPOT: the rest of the answer's time over its remaining tokens), p50 and p99 over the requests; and
 whether every answer equals plain decoding's (the ar rows, one client).
@@ -159,21 +160,20 @@ def load(server: Server, questions: list[str], clients: int, max_tokens: int) ->
 def run_load(args, questions: list[str], warm: list[str]) -> dict:
     rows = {}
     for method in args.methods:
-        server = Server(args, "--method", method, "--batch", str(max(args.clients)), "--no-persist",
-                        "--max-queued", "1024")
-        try:
-            for q in warm:  # the matrix, hot (as a server's is after its first requests)
-                ask(server.client, server.model, q, args.max_new_tokens)
-            for clients in args.clients:
+        for clients in args.clients:  # a fresh server a row: none drafts from what an earlier row answered (its index
+            server = Server(args, "--method", method, "--batch", str(max(args.clients)), "--no-persist",  # and matrix
+                            "--max-queued", "1024")  # would remember the same questions: hybrid drew 12.6 a step)
+            try:
+                for q in warm:  # the matrix, hot (as a server's is after its first requests)
+                    ask(server.client, server.model, q, args.max_new_tokens)
                 row = load(server, questions, clients, args.max_new_tokens)
-                rows[f"{method}@{clients}"] = row
-                print(f"{method}, {clients} clients: {row['tokens_per_s']:.1f} tok/s, TTFT p50 "
-                      f"{row['ttft_ms_p50']:.0f} ms, TPOT p50 {row['tpot_ms_p50']:.1f} ms", file=sys.stderr,
-                      flush=True)
-        finally:
-            code, out = server.stop()
-        if code != 0:
-            raise SystemExit(f"error: the {method} server exited with {code}: {out}")
+            finally:
+                code, out = server.stop()
+            if code != 0:
+                raise SystemExit(f"error: the {method} server exited with {code}: {out}")
+            rows[f"{method}@{clients}"] = row
+            print(f"{method}, {clients} clients: {row['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                  f"{row['ttft_ms_p50']:.0f} ms, TPOT p50 {row['tpot_ms_p50']:.1f} ms", file=sys.stderr, flush=True)
     base = rows[f"{args.methods[0]}@{args.clients[0]}"]
     want = base["texts"]
     for row in rows.values():
@@ -331,8 +331,9 @@ def write_load(folder: Path, rows: dict, info: dict, args) -> str:
     lines = ["# The server under load: OpenAI clients streaming dev-split questions", "",
              f"{machine_line(info)}. {args.model} in {args.dtype}, `python -m tr_engine.serve --batch "
              f"{max(args.clients)}`, {args.questions} dev-split questions (first turns) per row, greedy, "
-             f"{args.max_new_tokens} new tokens at most, {args.threads} threads; each method's server warmed on "
-             f"{args.warmup} other questions. Clients: threads of the `openai` package, each streaming one request "
+             f"{args.max_new_tokens} new tokens at most, {args.threads} threads, the server's defaults otherwise (its "
+             f"suffix index and prompt chunks too); a fresh server for each row, warmed on {args.warmup} other "
+             "questions. Clients: threads of the `openai` package, each streaming one request "
              "at a time. Speedup: total tokens/s over the first row. TTFT: request sent to its first text. TPOT: "
              "the answer's time after its first text over its remaining tokens. Identical: answers equal to the "
              "first row's (plain decoding, one client).", "",
