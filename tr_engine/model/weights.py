@@ -323,7 +323,8 @@ def server_malloc() -> None:
       threshold to the largest block freed so far (up to 32 MB), so the steps' temporaries (logits, activations: 1-30
       MB, larger as longer prompts and verifies come) move into the heap, whose free middle stays resident. A
       2000-request soak (bench.serve --soak) grew by 8.5% in steps as new sizes came (6% by request 500); with the
-      threshold fixed at 1 MB, 500 requests grew 0.6% (at 4 MB: 8.3%, the blocks of 1-4 MB did it). Mapping the blocks
+      threshold fixed at 1 MB, 500 requests grew 0.6% (at 4 MB: 8.3%, the blocks of 1-4 MB did it) and 2000 requests
+      1.3%, half of it the suffix index's own growth. Mapping the blocks
       anew costs nothing measured: generate_batch hybrid, SmolLM2 bf16, 1 MB against 32 MB alternated in one process,
       1.015x the tokens/s at batch 1, 0.996x at 8 (Zen 4)."""
     if (mallopt := glibc("mallopt")) is not None:
