@@ -19,6 +19,10 @@ online from its own step times (tr_engine/core/adaptive.py, StepTimes), and one 
 matrix down another path. So read the forwards and ms per forward beside the ratio, and a few percent either way as
 noise.
 
+`--before-tier` and `--after-tier` run a side on a CPU kernel tier of its own (TR_ENGINE_CPU): one checkout against
+itself on two tiers (`--before . --before-tier avx512bf16 --after-tier amx`). Tiers round differently in the last
+bits, so their answers may part; each is exact against its own plain decoding (the tests).
+
 `--curve FILE` gives both sides one curve from a file (a cached curve of $TR_ENGINE_HOME/costs/, or one a bad spell
 measured): how each checkout's planning copes with that curve.
 """
@@ -58,7 +62,8 @@ def worker() -> None:
     cost = engine.cost_model(recalibrate=not config.get("curve"))
     # the curve this side plans with: two sides' trees differ where their curves do
     print(json.dumps({"ready": True, "curve": {"sizes": list(cost.buckets), "prefixes": list(cost.prefixes),
-                                               "relative": cost.relative, "plain_s": cost.plain_s}}), flush=True)
+                                               "relative": cost.relative, "plain_s": cost.plain_s},
+                      "tier": getattr(engine, "cpu_tier", None)}), flush=True)
     for line in sys.stdin:
         r = engine.generate(json.loads(line), config["max_new_tokens"], method=config["method"])
         g = r.generation
@@ -67,11 +72,14 @@ def worker() -> None:
 
 
 class Worker:
-    def __init__(self, checkout: Path, config: dict):
+    def __init__(self, checkout: Path, config: dict, tier: str | None = None):
         env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}
+        if tier:  # the CPU kernel tier this side runs (tr_engine/model/cpu.py)
+            env["TR_ENGINE_CPU"] = tier
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], cwd=checkout, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.curve = self.ask(config)["curve"]
+        ready = self.ask(config)
+        self.curve, self.tier = ready["curve"], ready.get("tier")
 
     def ask(self, message) -> dict:
         self.proc.stdin.write(json.dumps(message) + "\n")
@@ -96,10 +104,10 @@ def run(args) -> dict:
         config = dict(model=args.model, dtype=dtype, threads=args.threads, method=args.method,
                       max_new_tokens=args.max_new_tokens)
         given = curve_file(args.curve) if args.curve else None
-        workers = {"after": Worker(Path(args.after), {**config, "curve": given})}
+        workers = {"after": Worker(Path(args.after), {**config, "curve": given}, args.after_tier)}
         try:
             workers["before"] = Worker(Path(args.before), {**config, "curve": given or (
-                workers["after"].curve if args.shared_curve else None)})
+                workers["after"].curve if args.shared_curve else None)}, args.before_tier)
         except BaseException:
             workers["after"].close()
             raise
@@ -128,6 +136,7 @@ def run(args) -> dict:
         verified = {s: sum(r[f"{s}_verified"] for r in rows) / max(forwards[s], 1) for s in SIDES}
         out[dtype] = {"rows": rows, "tokens_per_s": speed, "speed_ratio": speed["after"] / speed["before"],
                       "curves": {s: workers[s].curve for s in SIDES}, "forwards": forwards,
+                      "tiers": {s: workers[s].tier for s in SIDES},
                       "per_forward_ms": per_forward_ms, "verified_per_forward": verified,
                       "median_ratio": statistics.median(ratios), "ratio_range": [ratios[0], ratios[-1]],
                       "identical": sum(r["identical"] for r in rows), "questions": len(rows)}
@@ -166,7 +175,8 @@ def curve_file(path: Path) -> dict:
 def write(path: Path, data: dict, info: dict, args) -> str:
     from bench.machine import machine_line, save_results
 
-    before, after = describe(args.before), describe(args.after)
+    before, after = (describe(getattr(args, s)) + (f" on the {getattr(args, s + '_tier')} tier" if getattr(
+        args, s + "_tier") else "") for s in SIDES)
     lines = [f"# Before ({before}) and after ({after})", "",
              f"{machine_line(info)}. {args.method}, greedy, {args.max_new_tokens} new tokens at most, {args.threads} "
              f"threads; {args.questions} questions of {args.questions_file.name} (first turns), interleaved question "
@@ -200,6 +210,9 @@ def main(argv=None) -> int:  # (the imports here, not at the top: a worker impor
     ap = ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", type=Path, required=True, help="the checkout to compare against (its ops built)")
     ap.add_argument("--after", type=Path, default=Path("."), help="the checkout with the change (default: here)")
+    for side in SIDES:
+        ap.add_argument(f"--{side}-tier", default=None, metavar="TIER",
+                        help=f"the CPU kernel tier the {side} side runs (TR_ENGINE_CPU; default: the best this CPU runs)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--method", default="hybrid")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["float32", "bfloat16"])

@@ -69,8 +69,8 @@ def private_home(tmp_path_factory):
 
 
 def runnable_cpu_tiers() -> list[str]:
-    """The CPU kernel tiers this machine can run, best first (tr_engine/model/cpu.py): on an AVX-512 machine avx512bf16
-    (with bf16 dot products), avx512, avx2 and scalar; on an AVX2 one avx2 and scalar."""
+    """The CPU kernel tiers this machine can run, best first (tr_engine/model/cpu.py): on an AVX-512 machine with AMX
+    amx, then avx512bf16 (with bf16 dot products), avx512, avx2 and scalar; on an AVX2 one avx2 and scalar."""
     from tr_engine.model import cpu
 
     try:
@@ -81,10 +81,12 @@ def runnable_cpu_tiers() -> list[str]:
 
 CPU_TIERS = runnable_cpu_tiers()
 # Where avx512bf16 runs, avx512 is its code but for the bf16 matmuls (linear.h: the widened pairs pass in AVX-512
-# tiles, which no other tier runs, where avx512bf16 takes bf16 dot products). A kernel test runs on every tier but that
-# duplicate, and on it too in the modules that set EVERY_TIER = True (the matmuls' and what calls them): the rest a
-# third time would add about 30 s to make test.
-KERNEL_TEST_TIERS = [t for t in CPU_TIERS if not (t == "avx512" and "avx512bf16" in CPU_TIERS)]
+# tiles, which no other tier runs, where avx512bf16 takes bf16 dot products); where amx runs, avx512bf16 is its code
+# but for the bf16 matmuls (amx's on the tiles). A kernel test runs on every tier but those duplicates, and on them
+# too in the modules that set EVERY_TIER = True (the matmuls' and what calls them): the rest a third time would add
+# about 30 s to make test.
+DUPLICATE_OF = {"avx512": "avx512bf16", "avx512bf16": "amx"}
+KERNEL_TEST_TIERS = [t for t in CPU_TIERS if DUPLICATE_OF.get(t) not in CPU_TIERS]
 
 
 def pytest_generate_tests(metafunc):

@@ -288,7 +288,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s has no %s\n", argv[1], kKernelsEntry);
     return 2;
   }
-  const Kernels& table = *entry(&kHost);
+  const Kernels* found = entry(&kHost);
+  if (found == nullptr) {  // (the amx tier, where Linux refuses the process its tiles)
+    std::fprintf(stderr, "%s cannot run in this process\n", argv[1]);
+    return 2;
+  }
+  const Kernels& table = *found;
   std::printf("tier %s (table version %d)\n", table.tier, table.abi);
   check(table.abi == kAbiVersion, "the library's table version is this harness's");
   conversions();

@@ -8,6 +8,7 @@ import pytest
 import torch
 from bench.shapes import SHAPES, projections
 from cli import assert_one_line_error, call_main, run_module
+from tr_engine.model import cpu
 
 
 def bench_main(module: str, *args):
@@ -186,6 +187,14 @@ def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.with_suffix(".json").read_text())["float32"]
     assert data["curves"]["before"]["relative"] == data["curves"]["after"]["relative"] == given["relative"]
+    # each side on a CPU kernel tier of its own (one checkout on two tiers)
+    proc = run_module("bench.ab", "--before", repo, "--after", repo, "--model", str(tiny_factory("bench-ab")),
+                      "--dtypes", "float32", "--questions", "1", "--questions-file", str(questions),
+                      "--max-new-tokens", "4", "--threads", "1", "--out", str(out), "--before-tier", "scalar")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.with_suffix(".json").read_text())["float32"]
+    assert data["tiers"] == {"before": "scalar", "after": cpu.runnable()[0].name}
+    assert "on the scalar tier) and after" in out.with_suffix(".md").read_text()
     (tmp_path / "curve.json").write_text("{}")
     bad = run_module("bench.ab", "--before", repo, "--curve", str(tmp_path / "curve.json"), "--out", str(out))
     assert_one_line_error(bad, "curve.json", "not a cost curve file")

@@ -70,7 +70,7 @@ def test_tr_engine_cpu_forces_a_tier(monkeypatch, name):
 
 def test_a_tier_that_cannot_be_had_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv(cpu.ENV, "avx1024")
-    with pytest.raises(UserError, match=r"unknown CPU tier 'avx1024' \(TR_ENGINE_CPU\); choose one of avx512bf16, "):
+    with pytest.raises(UserError, match=r"unknown CPU tier 'avx1024' \(TR_ENGINE_CPU\); choose one of amx, avx512bf16, "):
         cpu.choose()
     other = "neon" if cpu.tier("neon") not in cpu.for_this_machine() else "avx2"
     monkeypatch.setenv(cpu.ENV, other)

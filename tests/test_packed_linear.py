@@ -58,18 +58,20 @@ def test_half_types_within_twice_the_references_error(T, K, N, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_rows_output_does_not_depend_on_the_other_rows(dtype):
+@pytest.mark.parametrize("K, N", [(576, 960), (1000, 100)])
+def test_a_rows_output_does_not_depend_on_the_other_rows(dtype, K, N):
     """Each output is one float32 sum over K in a fixed order, whatever the number of rows in the call: a token's
     projections are bit for bit the same in a 1-token decode step and an 81-token verify (and a prefill)."""
-    x, w = operands(200, 576, 960, dtype)
+    x, w = operands(200, K, N, dtype)
     wp = kernels.pack_linear(w)
-    whole = kernels.packed_linear(x, wp, 960)
+    whole = kernels.packed_linear(x, wp, N)
     # (float32 with AVX2: tiles of 6 rows and a last one of 1-3 rows over the whole block at 7-9 and 13-15; f16:
     # widened in registers up to 12 rows, past that once per chunk; bf16: near-equal tiles of 4-6 rows, x's rows side
-    # by side in each, widened in registers up to 64 rows, past that once per chunk)
-    for T in (1, 2, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 64, 65, 81):
-        assert torch.equal(kernels.packed_linear(x[:T], wp, 960), whole[:T])
-    assert torch.equal(kernels.packed_linear(x[150:151], wp, 960), whole[150:151])
+    # by side in each, widened in registers up to 64 rows, past that once per chunk; bf16 on AMX: passes of 32 rows,
+    # tiles of 16, and K = 1000 ends in a part step of 4 pairs)
+    for T in (1, 2, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 16, 17, 31, 32, 33, 48, 64, 65, 81, 193):
+        assert torch.equal(kernels.packed_linear(x[:T], wp, N), whole[:T])
+    assert torch.equal(kernels.packed_linear(x[150:151], wp, N), whole[150:151])
 
 
 def test_weights_are_packed_one_after_another_in_huge_page_chunks():

@@ -9,6 +9,11 @@
 #include <ATen/Parallel.h>
 
 #include <dlfcn.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -27,6 +32,29 @@ const Host kHost{&host_parallel_for};
 
 std::atomic<const Kernels*> active{nullptr};
 
+#if defined(__x86_64__)
+// Whether AMX's tiles with bf16 can run in this process: the CPU has them (CPUID leaf 7: AMX-TILE, AMX-BF16), the OS
+// saves their state (XCR0's XTILECFG and XTILEDATA bits), and Linux lets this process use them: it asks once (the
+// state is 8 KB a thread, so Linux hands it out only on request, ARCH_REQ_XCOMP_PERM; since Linux 5.16), and keeps
+// the answer. Without the permission the first tile instruction would kill the process.
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
+    if (!tile || !bf16) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE: XGETBV is allowed
+    uint32_t lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3) != 3) return false;  // XTILECFG and XTILEDATA
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return usable;
+}
+#endif
+
 }  // namespace
 
 const Kernels& kernels() {
@@ -37,7 +65,8 @@ const Kernels& kernels() {
 }
 
 // The instruction-set features the tiers may need that this CPU and its operating system support (the compiler's
-// runtime reads CPUID, and XGETBV for the OS's vector state), by the names tr_engine/model/cpu.py uses.
+// runtime reads CPUID, and XGETBV for the OS's vector state; AMX by amx_usable), by the names tr_engine/model/cpu.py
+// uses.
 std::vector<std::string> cpu_features() {
   std::vector<std::string> found;
 #if defined(__x86_64__)
@@ -53,6 +82,10 @@ std::vector<std::string> cpu_features() {
   TR_ENGINE_FEATURE("avx512dq")
   TR_ENGINE_FEATURE("avx512bf16")
 #undef TR_ENGINE_FEATURE
+  if (amx_usable()) {
+    found.emplace_back("amx_tile");
+    found.emplace_back("amx_bf16");
+  }
 #elif defined(__aarch64__)
   found.emplace_back("neon");  // Advanced SIMD is part of every aarch64 CPU
 #endif
@@ -74,6 +107,8 @@ void use_cpu_tier(const std::string& name, const std::string& path, const std::v
     auto entry = reinterpret_cast<KernelsEntry>(dlsym(library, kKernelsEntry));
     TORCH_CHECK(entry != nullptr, "tr_engine: ", path, " is not a CPU kernel tier (no ", kKernelsEntry, ")");
     const Kernels* k = entry(&kHost);
+    TORCH_CHECK(k != nullptr, "tr_engine: the CPU kernel tier ", name, " cannot run in this process (Linux refused it "
+                "the AMX tiles); choose another with TR_ENGINE_CPU");
     TORCH_CHECK(k->abi == kAbiVersion, "tr_engine: ", path, " was built for kernel table version ", k->abi, ", not ",
                 kAbiVersion, "; rebuild with `make install`");
     table = k;

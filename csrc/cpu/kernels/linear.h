@@ -23,6 +23,11 @@
 #include "parallel.h"
 #include "simd.h"
 
+#if defined(TR_ENGINE_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -457,12 +462,187 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
       }
 }
 
+#if defined(TR_ENGINE_AMX)
+// ---- bf16 on AMX's tiles (the amx tier) ------------------------------------------------------------------------
+//
+// AMX (Intel Sapphire Rapids on) has 8 tile registers of up to 16 rows x 64 bytes and one instruction,
+// tdpbf16ps, that adds a tile of x (M rows x 16 pairs of bf16) times a tile of weights (16 pairs x 16 outputs) into a
+// tile of float sums (M rows x 16 outputs): 8192 multiply-adds at once. The packed layout is already what it reads: in
+// a block, 16 groups of 32 outputs' pairs are two weight tiles (outputs 0-15 and 16-31, rows 128 bytes apart), so the
+// weights stream from memory as they do for the vector passes. A pass covers a block for up to 32 rows of x: 4 tiles of
+// sums (rows 0-15 and 16-31 by outputs 0-15 and 16-31), 2 of x, 2 of weights, all 8 registers; more rows take more
+// passes over the block, the later ones from L2. Each output is the same function of its own row of x and the
+// weights in every pass (the instruction's order of sums is its own, fixed, not dependent on the other rows: checked
+// bit for bit by the row-independence tests), so the amx tier is row-independent as every tier is; it rounds
+// differently from avx512bf16's vdpbf16ps, as tiers do. A decode step's single row goes through the tiles too (its bits
+// must be a verify's), where the memory, not the tiles, bounds it.
+namespace amx {
+
+// Asks Linux for this process's permission to use the tiles (their state is 8 KB a thread, handed out on request
+// since Linux 5.16; without it the first tile instruction kills the process). The op library asks before it opens
+// this tier (tiers.cpp's amx_usable); the tier asks again when it is bound (tier.cpp), for any other host.
+inline bool request_tiles() {
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
+
+constexpr int64_t kStep = 16;  // groups (pairs of input columns) per tdpbf16ps: a weight tile's 16 rows
+constexpr int kPassRows = 32;  // rows of x per pass: two tiles of x, four of sums
+constexpr int64_t kTileStride = kPackBlock * 2 * sizeof(bf16);  // bytes from one group's pairs to the next's: 128
+
+// The tiles' shapes for a pass of `rows` rows of x (ldtilecfg's 64-byte operand): sums 0-3, x 4-5, weights 6-7.
+struct alignas(64) Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure(int rows) {
+  const int top = std::min(rows, 16), bottom = rows - top;
+  Config c;
+  const auto shape = [&c](int tile, int tile_rows) {
+    c.rows[tile] = static_cast<uint8_t>(tile_rows);
+    c.colsb[tile] = 64;
+  };
+  for (int tile : {0, 1, 4}) shape(tile, top);
+  if (bottom > 0)
+    for (int tile : {2, 3, 5}) shape(tile, bottom);
+  shape(6, kStep);
+  shape(7, kStep);
+  _tile_loadconfig(&c);
+}
+
+// One pass: sums ([32 rows][32 outputs] floats) of x's tiles (rows lda bf16 apart, 32 values per step) against a
+// block's `steps` steps of weights, the last one from `tail` where the block's groups are not a whole number of steps
+// (tail: that step's groups, zeros after; x is zero past K there too). Each step asks for `ahead_per_step` bytes of
+// lines from `ahead` on (none where it is null): a block's first pass its own weights kDistance bytes ahead of the
+// stream, running on into the next block; where a block takes more passes (more than 32 rows), which read it from L2,
+// each later one a share of the next block's, so that the memory streams the whole time (as the vector passes' shares).
+template <bool kBottom>
+TR_ENGINE_PASS void pass(const bf16* x, int64_t lda, const bf16* wb, int64_t steps, const bf16* tail, float* sums,
+                         const char* ahead, int64_t ahead_per_step) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kBottom) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_stride = lda * static_cast<int64_t>(sizeof(bf16));
+  const char* w = reinterpret_cast<const char*>(wb);
+  for (int64_t s = 0; s < steps; ++s, w += kStep * kTileStride) {
+    const char* ws = tail != nullptr && s + 1 == steps ? reinterpret_cast<const char*>(tail) : w;
+    if (ahead != nullptr)
+      for (int64_t line = 0; line < ahead_per_step; line += 64, ahead += 64) prefetch(ahead);
+    _tile_loadd(6, ws, kTileStride);
+    _tile_loadd(7, ws + 64, kTileStride);
+    _tile_loadd(4, x + s * 2 * kStep, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kBottom) {
+      _tile_loadd(5, x + 16 * lda + s * 2 * kStep, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t ld = kPackBlock * sizeof(float);
+  _tile_stored(0, sums, ld);
+  _tile_stored(1, sums + 16, ld);
+  if constexpr (kBottom) {
+    _tile_stored(2, sums + 16 * kPackBlock, ld);
+    _tile_stored(3, sums + 16 * kPackBlock + 16, ld);
+  }
+}
+
+// How far ahead a block's first pass asks for its weights (the lead of the vector passes, kPrefetch).
+constexpr int64_t kDistance = 4096;
+
+// One chunk of rows of x (xa, lda: as the tiles read it) through every block.
+inline void chunk_rows(const bf16* xa, int64_t lda, const bf16* wp, bf16* y, int64_t rows, int64_t groups, int64_t N,
+                       int64_t whole, int64_t steps) {
+  const int64_t blocks = (N + kPackBlock - 1) / kPackBlock, block_size = groups * kPackBlock * 2;
+  const int64_t block_bytes = block_size * static_cast<int64_t>(sizeof(bf16));
+  const int64_t passes = (rows + kPassRows - 1) / kPassRows;
+  parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float sums[kPassRows * kPackBlock];
+    alignas(64) bf16 tail[kStep * 2 * kPackBlock];
+    int configured = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      const bf16* wb = wp + b * block_size;
+      const int valid = static_cast<int>(std::min(kPackBlock, N - b * kPackBlock));
+      if (whole != steps) {
+        std::memset(tail, 0, sizeof(tail));
+        std::memcpy(tail, wb + whole * kStep * 2 * kPackBlock, (groups - whole * kStep) * kTileStride);
+      }
+      for (int64_t t = 0; t < rows; t += kPassRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kPassRows, rows - t));
+        if (r != configured) {
+          configure(r);
+          configured = r;
+        }
+        const bf16* xt = xa + t * lda;
+        const bf16* tail_step = whole != steps ? tail : nullptr;
+        const char* ahead = nullptr;
+        int64_t per_step = 0;
+        if (t == 0) {
+          ahead = reinterpret_cast<const char*>(wb) + kDistance;
+          per_step = kStep * kTileStride;
+        } else if (b + 1 < b1) {  // the next block's share after the first pass's lead
+          const int64_t later = passes - 1, pass_index = t / kPassRows - 1;
+          const int64_t share = (std::max<int64_t>(0, block_bytes - kDistance) / later + 63) / 64 * 64;
+          ahead = reinterpret_cast<const char*>(wb) + block_bytes + kDistance + pass_index * share;
+          per_step = (share / steps + 63) / 64 * 64;
+        }
+        if (r > 16)
+          pass<true>(xt, lda, wb, steps, tail_step, sums, ahead, per_step);
+        else
+          pass<false>(xt, lda, wb, steps, tail_step, sums, ahead, per_step);
+        for (int i = 0; i < r; ++i)
+          for (int col = 0; col < valid; col += kLanes) {
+            const Vec sum = load(sums + i * kPackBlock + col);
+            bf16* out = y + (t + i) * N + b * kPackBlock + col;
+            if (valid - col >= kLanes)
+              store(out, sum);
+            else
+              store_first(out, sum, valid - col);
+          }
+      }
+    }
+    if (configured != 0) _tile_release();
+  });
+}
+
+// packed_rows for bf16 on the tiles: threads split the blocks; each block's rows of x in passes of up to 32.
+inline void rows(const bf16* x, int64_t ldx, const bf16* wp, bf16* y, int64_t rows, int64_t groups, int64_t N) {
+  const int64_t whole = groups / kStep, steps = (groups + kStep - 1) / kStep;
+  // x as the tiles read it: as it is where K fills whole steps, else its rows copied with zeros to the last step's end.
+  const bf16* xa = x;
+  int64_t lda = ldx;
+  if (whole != steps) {
+    thread_local std::vector<bf16> padded;
+    lda = steps * 2 * kStep;
+    padded.assign(rows * lda, bf16{});
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(padded.data() + r * lda, x + r * ldx, 2 * groups * sizeof(bf16));
+    xa = padded.data();
+  }
+  // A long prefill's rows a chunk at a time, as the vector passes take them (kRowChunk: x's chunk stays in L2).
+  for (int64_t t0 = 0; t0 < rows; t0 += kRowChunk) {
+    const int64_t chunk = std::min(kRowChunk, rows - t0);
+    chunk_rows(xa + t0 * lda, lda, wp, y + t0 * N, chunk, groups, N, whole, steps);
+  }
+}
+
+}  // namespace amx
+#endif
+
 // Threads split the blocks of w (each block is 32 x K contiguous values, read once per chunk of rows from memory);
 // inside a block, the chunk's rows go in tiles of at most kPackRows (cut as kFullTiles says). A block that one pass covers (a
 // decode step's row, a few rows of float32) streams straight from memory, its lines asked for ahead; any other goes
 // through block_in_chunks (float32, and bf16 widened into floats, a K-chunk at a time; other half types a block).
 template <typename T>
 void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64_t groups, int64_t N) {
+#if defined(TR_ENGINE_AMX)
+  if constexpr (std::is_same_v<T, bf16>) return amx::rows(x, ldx, wp, y, rows, groups, N);
+#endif
   const int64_t blocks = (N + kPackBlock - 1) / kPackBlock, block_size = groups * kPackBlock * pack_width<T>();
   constexpr bool bf16_pairs = std::is_same_v<T, bf16>;
   constexpr bool floats = !(bf16_pairs && kBf16Dot);  // whether the passes read x as floats

@@ -16,15 +16,30 @@
 #include <cstdint>
 #include <cstring>
 
+// The amx tier is the avx512bf16 tier's code but for its bf16 matmuls, which run on AMX's tiles (linear.h).
+#if defined(TR_ENGINE_TIER_AMX)
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
+#error "the amx tier needs -mamx-tile -mamx-bf16"
+#endif
+#define TR_ENGINE_TIER_AVX512BF16
+#define TR_ENGINE_AMX
+#endif
+
 #if defined(TR_ENGINE_TIER_AVX512BF16) || defined(TR_ENGINE_TIER_AVX512) || defined(TR_ENGINE_TIER_AVX2)
 #include <immintrin.h>  // (first included by numbers.h, with GCC 12's false warnings silenced)
 #elif defined(TR_ENGINE_TIER_NEON)
 #include <arm_neon.h>
 #elif !defined(TR_ENGINE_TIER_SCALAR)
-#error "build the CPU kernels with one of -DTR_ENGINE_TIER_{AVX512BF16,AVX512,AVX2,NEON,SCALAR} (see setup.py)"
+#error "build the CPU kernels with one of -DTR_ENGINE_TIER_{AMX,AVX512BF16,AVX512,AVX2,NEON,SCALAR} (see setup.py)"
 #endif
 
 namespace tr_engine_cpu {
+
+#if defined(TR_ENGINE_AMX)
+constexpr bool kAmx = true;  // bf16 matmuls on AMX's tiles (linear.h's amx_rows)
+#else
+constexpr bool kAmx = false;
+#endif
 
 // Ask for the cache line at p into L2 (prefetcht1 on x86, PRFM PLDL2KEEP on ARM): a hint, never a fault.
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }
@@ -37,7 +52,11 @@ inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }
 #if !defined(__AVX512BF16__)
 #error "the avx512bf16 tier needs -mavx512bf16"
 #endif
+#if defined(TR_ENGINE_AMX)
+constexpr const char* kTier = "amx";
+#else
 constexpr const char* kTier = "avx512bf16";
+#endif
 constexpr bool kBf16Dot = true;  // vdpbf16ps: two bf16 products per float lane, summed into it
 #else
 constexpr const char* kTier = "avx512";

@@ -37,5 +37,8 @@ const Kernels kTable{kAbiVersion, kTier, typed_kernels<float>(), typed_kernels<d
 extern "C" __attribute__((visibility("default"))) const tr_engine_cpu::Kernels* tr_engine_cpu_kernels(
     const tr_engine_cpu::Host* host) {
   tr_engine_cpu::bound_host() = host;
+#if defined(TR_ENGINE_AMX)
+  if (!tr_engine_cpu::amx::request_tiles()) return nullptr;  // (the op library checked first: a host that did not)
+#endif
   return &tr_engine_cpu::kTable;
 }
