@@ -25,7 +25,7 @@ from torch.utils import cpp_extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from tr_engine.model.cpu import compile_flags, for_this_machine  # noqa: E402  (the tier table; imports nothing heavy)
+from tr_engine.model.cpu import buildable, compile_flags, for_this_machine  # noqa: E402  (the tier table; nothing heavy)
 
 
 def generated(name: str, text: str) -> str:
@@ -114,7 +114,11 @@ class BuildExtension(cpp_extension.BuildExtension):
             self._building.name = None
 
 
-extensions = [op_library()] + [tier_library(t) for t in for_this_machine()]
+TIERS, UNBUILDABLE = buildable(for_this_machine())
+for t in UNBUILDABLE:
+    print(f"setup.py: this compiler cannot build the {t.name} tier ({' '.join(t.flags)}); building the others",
+          file=sys.stderr)
+extensions = [op_library()] + [tier_library(t) for t in TIERS]
 setup(
     name="tr_engine",
     version="0.1.0",

@@ -246,3 +246,18 @@ def test_every_method_gives_plain_decodings_tokens_on_every_tier(packed_engine, 
                 assert got.token_ids == plain.token_ids, (every_tier, method, i, sampling)
                 drafted += max(got.generation.accept_lengths, default=1) > 1
     assert drafted >= 6  # drafts were accepted: the verify path ran, not only plain steps
+
+
+def test_a_tier_the_compiler_cannot_build_is_left_out_of_the_build(tmp_path):
+    """setup.py builds the tiers its compiler accepts the flags of (cpu.buildable): a compiler too old for AMX costs
+    the amx tier, not the build. A stand-in compiler that refuses -mamx-tile, and one that does not run at all."""
+    fake = tmp_path / "old-c++"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -mamx-tile ] && exit 1; done\nexit 0\n')
+    fake.chmod(0o755)
+    ok, missing = cpu.buildable(cpu.for_this_machine("x86_64"), str(fake))
+    assert [t.name for t in missing] == ["amx"]
+    assert [t.name for t in ok] == [t.name for t in cpu.for_this_machine("x86_64") if t.name != "amx"]
+    ok, missing = cpu.buildable(cpu.for_this_machine("x86_64"), str(tmp_path / "no-such-compiler"))
+    assert ok == () and len(missing) == len(cpu.for_this_machine("x86_64"))
+    ok, missing = cpu.buildable(cpu.for_this_machine())  # this machine's own compiler built every tier here
+    assert missing == () and all(cpu.library(t) is not None for t in ok)

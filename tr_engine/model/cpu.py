@@ -79,6 +79,25 @@ def for_this_machine(machine: str | None = None) -> tuple[Tier, ...]:
     return tuple(t for t in TIERS if t.machine in ("", machine))
 
 
+def buildable(tiers: tuple[Tier, ...], compiler: str | None = None) -> tuple[tuple[Tier, ...], tuple[Tier, ...]]:
+    """(the tiers `compiler` (CXX, else c++) can compile, the ones it cannot): each tier's flags tried on an empty
+    file. A compiler too old for a tier's instruction set (AMX needs GCC 11 or Clang 12) then costs that tier, not the
+    build; the op library offers only the tiers that are built (runnable)."""
+    import shlex
+    import subprocess
+
+    command = shlex.split(compiler or os.environ.get("CXX") or "c++")
+    ok, missing = [], []
+    for t in tiers:
+        try:
+            proc = subprocess.run([*command, "-x", "c++", "-fsyntax-only", *compile_flags(t), "-"], input="",
+                                  capture_output=True, text=True, timeout=60)
+            (ok if proc.returncode == 0 else missing).append(t)
+        except (OSError, subprocess.TimeoutExpired):
+            missing.append(t)
+    return tuple(ok), tuple(missing)
+
+
 def library(t: Tier) -> Path | None:
     """The tier's built library, or None."""
     spec = importlib.util.find_spec(f"tr_engine._cpu_{t.name}")
