@@ -156,7 +156,8 @@ def as_decode_step(q, k, v, P, mask, t):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("P", [0, 1, 200, 250, 255, 256, 700])
-@pytest.mark.parametrize("heads,D", [((9, 3), 64), ((8, 1), 48), ((4, 4), 64)], ids=["gqa9x3", "mqa8-d48", "mha4"])
+@pytest.mark.parametrize("heads,D", [((9, 3), 64), ((8, 1), 48), ((4, 4), 64), ((4, 2), 128)],
+                         ids=["gqa9x3", "mqa8-d48", "mha4", "gqa4x2-d128"])
 def test_a_tree_row_is_bitwise_its_decode_step(dtype, P, heads, D):
     """Row independence: each verify row gives exactly the bits of the plain decode step that sees the same keys, so
     greedy speculative decoding commits the tokens of plain decoding in every dtype (not just to rounding)."""

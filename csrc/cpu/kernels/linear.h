@@ -22,11 +22,7 @@
 #include "api.h"
 #include "parallel.h"
 #include "simd.h"
-
-#if defined(TR_ENGINE_AMX)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "tiles.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -465,51 +461,32 @@ void block_in_chunks(const float* xf, const T* x, int64_t ldx, const T* wb, int6
 #if defined(TR_ENGINE_AMX)
 // ---- bf16 on AMX's tiles (the amx tier) ------------------------------------------------------------------------
 //
-// AMX (Intel Sapphire Rapids on) has 8 tile registers of up to 16 rows x 64 bytes and one instruction,
-// tdpbf16ps, that adds a tile of x (M rows x 16 pairs of bf16) times a tile of weights (16 pairs x 16 outputs) into a
-// tile of float sums (M rows x 16 outputs): 8192 multiply-adds at once. The packed layout is already what it reads: in
-// a block, 16 groups of 32 outputs' pairs are two weight tiles (outputs 0-15 and 16-31, rows 128 bytes apart), so the
-// weights stream from memory as they do for the vector passes. A pass covers a block for up to 32 rows of x: 4 tiles of
-// sums (rows 0-15 and 16-31 by outputs 0-15 and 16-31), 2 of x, 2 of weights, all 8 registers; more rows take more
-// passes over the block, the later ones from L2. Each output is the same function of its own row of x and the
-// weights in every pass (the instruction's order of sums is its own, fixed, not dependent on the other rows: checked
-// bit for bit by the row-independence tests), so the amx tier is row-independent as every tier is; it rounds
-// differently from avx512bf16's vdpbf16ps, as tiers do. A decode step's single row goes through the tiles too (its bits
-// must be a verify's), where the memory, not the tiles, bounds it.
+// tiles.h says what the tiles are: one tdpbf16ps adds a tile of x (M rows x 16 pairs of bf16) times a tile of
+// weights (16 pairs x 16 outputs) into a tile of float sums (M rows x 16 outputs), 8192 multiply-adds at once. The
+// packed layout is already what it reads: in a block, 16 groups of 32 outputs' pairs are two weight tiles (outputs
+// 0-15 and 16-31, rows 128 bytes apart), so the weights stream from memory as they do for the vector passes. A pass
+// covers a block for up to 32 rows of x: 4 tiles of sums (rows 0-15 and 16-31 by outputs 0-15 and 16-31), 2 of x, 2
+// of weights, all 8 registers; more rows take more passes over the block, the later ones from L2. Each output is the
+// same function of its own row of x and the weights in every pass (checked bit for bit by the row-independence
+// tests), so the amx tier is row-independent as every tier is; it rounds differently from avx512bf16's vdpbf16ps, as
+// tiers do. A decode step's single row goes through the tiles too (its bits must be a verify's), where the memory,
+// not the tiles, bounds it.
 namespace amx {
-
-// Asks Linux for this process's permission to use the tiles (their state is 8 KB a thread, handed out on request
-// since Linux 5.16; without it the first tile instruction kills the process). The op library asks before it opens
-// this tier (tiers.cpp's amx_usable); the tier asks again when it is bound (tier.cpp), for any other host.
-inline bool request_tiles() {
-  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-}
 
 constexpr int64_t kStep = 16;  // groups (pairs of input columns) per tdpbf16ps: a weight tile's 16 rows
 constexpr int kPassRows = 32;  // rows of x per pass: two tiles of x, four of sums
 constexpr int64_t kTileStride = kPackBlock * 2 * sizeof(bf16);  // bytes from one group's pairs to the next's: 128
 
-// The tiles' shapes for a pass of `rows` rows of x (ldtilecfg's 64-byte operand): sums 0-3, x 4-5, weights 6-7.
-struct alignas(64) Config {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+// The tiles' shapes for a pass of `rows` rows of x: sums 0-3, x 4-5, weights 6-7.
 inline void configure(int rows) {
   const int top = std::min(rows, 16), bottom = rows - top;
-  Config c;
-  const auto shape = [&c](int tile, int tile_rows) {
-    c.rows[tile] = static_cast<uint8_t>(tile_rows);
-    c.colsb[tile] = 64;
-  };
-  for (int tile : {0, 1, 4}) shape(tile, top);
+  tiles::Config c;
+  for (int tile : {0, 1, 4}) c.shape(tile, top);
   if (bottom > 0)
-    for (int tile : {2, 3, 5}) shape(tile, bottom);
-  shape(6, kStep);
-  shape(7, kStep);
-  _tile_loadconfig(&c);
+    for (int tile : {2, 3, 5}) c.shape(tile, bottom);
+  c.shape(6, kStep);
+  c.shape(7, kStep);
+  c.load();
 }
 
 // One pass: sums ([32 rows][32 outputs] floats) of x's tiles (rows lda bf16 apart, 32 values per step) against a

@@ -10,6 +10,7 @@
 #include "peak.h"
 #include "rows.h"
 #include "simd.h"
+#include "tiles.h"
 
 namespace tr_engine_cpu {
 namespace {
@@ -38,7 +39,7 @@ extern "C" __attribute__((visibility("default"))) const tr_engine_cpu::Kernels* 
     const tr_engine_cpu::Host* host) {
   tr_engine_cpu::bound_host() = host;
 #if defined(TR_ENGINE_AMX)
-  if (!tr_engine_cpu::amx::request_tiles()) return nullptr;  // (the op library checked first: a host that did not)
+  if (!tr_engine_cpu::tiles::request()) return nullptr;  // (the op library checked first: a host that did not)
 #endif
   return &tr_engine_cpu::kTable;
 }
