@@ -244,6 +244,8 @@ def main(argv=None) -> int:
                 "chains of the kernels' own vector multiply-adds, no memory). Floor: the larger of the memory floor "
                 f"(bytes / the read bandwidth, {rows[-1]['read_gb_s']:.0f} GB/s, bench.machine.read_bandwidth) and "
                 "the compute floor (FLOPs / FMA peak), the roofline; of floor = floor / ours."
+                + (" On the amx tier the bf16 matmuls run on AMX's tiles, not the vector units, so they pass that "
+                   "peak and its floor: read their float32 and float16 rows against it." if tier == "amx" else "")
                 if any("gflops" in r for r in rows) else ""), "", *table(rows)]
     lines += ["", "stock: tree attention = `scaled_dot_product_attention` with a boolean mask, the query heads of "
               "each KV head folded into rows (as the model does without the op); recycle = `topk` + indexed "
