@@ -8,7 +8,8 @@ before it opens a tier's library, so a build made on one machine runs on any x86
 
 Each tier's kernels are row-independent, so on every tier every decoding method emits plain decoding's tokens, in
 bfloat16 too. The tiers differ from each other in the last bits of a result (fused multiply-adds or not, the bf16
-dot product's rounding, the order of a vector's horizontal sum), so two tiers may decode a long answer differently.
+dot product's rounding, AMX's own order of sums, the order of a vector's horizontal sum), so two tiers may decode a
+long answer differently.
 """
 
 import importlib.util
