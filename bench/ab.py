@@ -229,6 +229,10 @@ def main(argv=None) -> int:  # (the imports here, not at the top: a worker impor
     for side in SIDES:
         if not (getattr(args, side) / "tr_engine").is_dir():
             ap.error(f"--{side} {getattr(args, side)} is not a tr-engine checkout (no tr_engine/ folder)")
+    if args.after_tier:  # the machine line names the after side's tier (the header says each side's)
+        from tr_engine.model import cpu
+
+        cpu.use(args.after_tier)
     info = machine_info()
     print(write(args.out, run(args), info, args))
     return 0

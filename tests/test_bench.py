@@ -195,6 +195,14 @@ def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
     data = json.loads(out.with_suffix(".json").read_text())["float32"]
     assert data["tiers"] == {"before": "scalar", "after": cpu.runnable()[0].name}
     assert "on the scalar tier) and after" in out.with_suffix(".md").read_text()
+    proc = run_module("bench.ab", "--before", repo, "--after", repo, "--model", str(tiny_factory("bench-ab")),
+                      "--dtypes", "float32", "--questions", "1", "--questions-file", str(questions),
+                      "--max-new-tokens", "2", "--threads", "1", "--out", str(out), "--after-tier", "scalar")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.with_suffix(".json").read_text())["float32"]["tiers"]["after"] == "scalar"
+    assert "kernel tier scalar" in out.with_suffix(".md").read_text()  # the machine line: the after side's tier
+    bad = run_module("bench.ab", "--before", repo, "--after-tier", "avx1024", "--out", str(out))
+    assert_one_line_error(bad, "unknown CPU tier 'avx1024'")
     (tmp_path / "curve.json").write_text("{}")
     bad = run_module("bench.ab", "--before", repo, "--curve", str(tmp_path / "curve.json"), "--out", str(out))
     assert_one_line_error(bad, "curve.json", "not a cost curve file")
