@@ -100,7 +100,9 @@ constexpr int64_t kPrefetch = 4096;
 // and 4 KB ahead left the memory idle. SmolLM2's projections, AMD EPYC (Zen 4), 2 threads, while one row streamed at
 // ~55 GB/s, alternated against 4 KB (bf16 with the dot product; float32): 3 rows 0.92x and 0.87x the time, 4 rows
 // 0.87x and 0.91x, 5 rows 0.75x and 0.75x, 6 rows 0.80x and 0.76x, 8 rows 0.92x and 0.93x; 16 KB (and for 2 rows
-// too) was no better at 3-8 rows and worse at 2 (1.13x). 1-2 rows keep 4 KB: 8 KB made one row 1.37x slower.
+// too) was no better at 3-8 rows and worse at 2 (1.13x). 1-2 rows keep 4 KB: 8 KB made one row 1.37x slower. Whole
+// decoding on that host, bench.ab against 4 KB: hybrid 1.089x in bf16, 1.066x in fp32; on an Intel Xeon (avx512bf16,
+// its memory at ~25-30 GB/s) unchanged: 0.994x and 1.003x, plain 1.012x and 1.007x (ab_prefetch_avx512bf16*.md).
 constexpr int64_t kPrefetchManyRows = 8192;
 constexpr int kManyRows = 3;
 
