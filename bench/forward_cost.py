@@ -205,6 +205,8 @@ def main(argv=None) -> int:
         seconds = {p: time_steps(engine.model, engine.cache, TREE_TOKENS, p, args.reps, with_argmax=False)
                    for p in args.prefixes}
         curves = {p: {T: s[T] / s[1] for T in TREE_TOKENS} for p, s in seconds.items()}
+        # (named by the kernel tier where it is not the one the earlier runs had: the amx tier's curve is its own)
+        name = f"forward_cost_{dtype}" + (f"_{info['cpu_tier']}" if info.get("cpu_tier") == "amx" else "")
         lines = [f"# Verify-forward cost on {args.model} ({dtype}), plain decode step = 1.0", "",
                  f"Machine: {machine_line(info)}. Median of {args.reps} forwards per size, sizes in alternation; "
                  "breadth-first 4-ary trees (the paper's 2.2.2 at 81 tokens).", "",
@@ -213,8 +215,8 @@ def main(argv=None) -> int:
         for T in TREE_TOKENS:
             lines.append(f"| {T} | " + " | ".join(f"{curves[p][T]:.2f}" for p in args.prefixes) + " |")
         lines += ["", "Plain step: " + ", ".join(f"{1e3 * seconds[p][1]:.1f} ms at prefix {p}" for p in args.prefixes)
-                  + ".", "", f"![cost curve](forward_cost_{dtype}.png)"]
-        stem = args.out / f"forward_cost_{dtype}"
+                  + ".", "", f"![cost curve]({name}.png)"]
+        stem = args.out / name
         save_results(stem, "\n".join(lines) + "\n",
                      {"model": args.model, "dtype": dtype, "seconds": seconds, "relative": curves}, info)
         plot(stem.with_suffix(".png"), {f"prefix {p}": c for p, c in curves.items()},
