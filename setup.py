@@ -52,7 +52,8 @@ def op_library():
     sources = [op_library_unit()]
     # What the unit includes, so that setuptools rebuilds it when one changes (it compares these with the library).
     depends = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.h") + glob.glob("csrc/cpu/*.cpp")
-                     + glob.glob("csrc/cpu/*.h") + ["csrc/cpu/kernels/api.h", "csrc/cpu/kernels/types.h"])
+                     + glob.glob("csrc/cpu/*.h") + ["csrc/cpu/kernels/api.h", "csrc/cpu/kernels/types.h",
+                                                     "csrc/cpu/kernels/tiles.h"])
     # -fopenmp is what makes at::parallel_for parallel: its OpenMP loop is inline in ATen's headers, so without the
     # flag it runs on one thread (torch's own libgomp is the runtime it links against).
     cxx = ["-O3", "-std=c++17", "-fopenmp", "-g0"]  # (-g0: Python's own CFLAGS ask for -g, 40% of the build's time)

@@ -11,8 +11,8 @@
 #include <dlfcn.h>
 #if defined(__x86_64__)
 #include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "kernels/tiles.h"
 #endif
 
 #include <algorithm>
@@ -48,8 +48,7 @@ bool amx_usable() {
     uint32_t lo = 0, hi = 0;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     if (((lo >> 17) & 3) != 3) return false;  // XTILECFG and XTILEDATA
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+    return tiles::request();
   }();
   return usable;
 }

@@ -1,5 +1,5 @@
 // AMX's tile registers, as the amx tier's kernels use them (linear.h's bf16 matmuls): the process's permission to use
-// them and the tiles' shapes. Only the amx tier compiles what is inside.
+// them (any x86-64 library: the op library asks too) and the tiles' shapes (the amx tier alone).
 //
 // AMX (Intel Sapphire Rapids on) has 8 tile registers of up to 16 rows of 64 bytes and tdpbf16ps, which adds a tile A
 // (M rows of 16 pairs of bf16) times a tile B (16 rows of pairs: row c holds, for each of 16 columns, its pair c) into
@@ -8,24 +8,33 @@
 // output the same A row, B column and sequence of instructions wherever it is computed is row-independent.
 #pragma once
 
-#include "simd.h"
-
-#if defined(TR_ENGINE_AMX)
+#if defined(__x86_64__)
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <cstdint>
 
 namespace tr_engine_cpu {
 namespace tiles {
 
 // Asks Linux for this process's permission to use the tiles (their state is 8 KB a thread, handed out on request
-// since Linux 5.16; without it the first tile instruction kills the process). The op library asks before it opens
-// this tier (tiers.cpp's amx_usable); the tier asks again when it is bound (tier.cpp), for any other host.
+// since Linux 5.16; without it the first tile instruction kills the process). The op library asks before it offers
+// the amx tier (tiers.cpp, which includes this part alone: it needs no tier); the tier asks again when it is bound
+// (tier.cpp), for any other host.
 inline bool request() {
   constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
 }
+
+}  // namespace tiles
+}  // namespace tr_engine_cpu
+#endif
+
+#if defined(TR_ENGINE_AMX)
+#include "simd.h"
+
+#include <cstdint>
+
+namespace tr_engine_cpu {
+namespace tiles {
 
 // ldtilecfg's 64-byte operand: each tile's rows and bytes per row (0: unused).
 struct alignas(64) Config {
