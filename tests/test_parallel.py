@@ -188,6 +188,31 @@ def test_within_a_tp2_run_every_method_emits_plain_decodings_tokens(tiny_factory
                                                          for p in PROMPTS]
 
 
+def calibration_worker(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    from tr_engine.core.cost import time_steps
+    from tr_engine.engine import Engine
+
+    joined(rank, world, port)
+    engine = Engine.from_pretrained(folder, dtype="float32", tp=world, max_context=256)
+    # Rank 1's clock runs slow (3 ms more a forward), so on its own clock it would spend its budget passes sooner
+    # and drop dear sizes that rank 0 keeps: it would leave rank 0 waiting inside a forward's collective.
+    slow = (lambda: time.sleep(0.003)) if rank == 1 else None
+    seconds = time_steps(engine.model, engine.cache, (1, 2, 4, 8, 16), 16, reps=1000, budget_s=0.2, max_relative=2.0,
+                         on_step=slow, paired=True)
+    torch.save(seconds, f"{out}.{rank}")
+    finish()
+
+
+def test_the_ranks_time_the_cost_curve_alike_though_their_clocks_differ(tiny_factory, tmp_path):
+    """A cost curve under tensor parallelism is measured by every rank together: each forward a collective, every
+    decision (which sizes stay, when a pass ends) taken from the ranks' agreed times, so they run the same forwards."""
+    folder = str(tiny_factory("tp-methods", num_heads=6, num_kv_heads=3, vocab_size=301))
+    out = tmp_path / "seconds"
+    spawn(calibration_worker, 2, folder, str(out))
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert ranks[0] == ranks[1] and ranks[0][1] > 0.003  # the same sizes, timed alike: the slower rank's times
+
+
 def smollm2_worker(rank: int, world: int, port: int, folder: str, asks: list, out: str) -> None:
     from tr_engine.engine import Engine
 

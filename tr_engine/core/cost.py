@@ -98,6 +98,10 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     greedy verify step pays: tr_engine/core/speculative.py). Overwrites the cache's slots 0..prefix+max(sizes)-1 and
     leaves cache.length = 0."""
     sharded = model.shard.world > 1
+    # Under tensor parallelism every rank runs these forwards together, so every decision below (which sizes stay, when
+    # a pass ends) must come out alike on all of them: each time is the ranks' largest (Shard.agree). Decided from
+    # each rank's own clock, a rank that stopped a pass early left the other inside a forward's collective.
+    agree = model.shard.agree
     g = torch.Generator().manual_seed(0)
     device = cache.data.device
     ids = torch.randint(0, model.config.vocab_size, (prefix + 1,), generator=g).to(device)
@@ -126,7 +130,7 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
         for _ in range(n):
             t0 = time.perf_counter()
             step(1)
-            timed.append(time.perf_counter() - t0)
+            timed.append(agree(time.perf_counter() - t0))
         return timed
 
     times = {T: [] for T in sizes}
@@ -138,7 +142,8 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
     if warm_up:  # the very first forward sets things up: the warm-up pass's plain step is then a fair yardstick
         t0 = time.perf_counter()
         step(1)
-        yardstick = time.perf_counter() - t0  # (and the lesser of the two: one late wake-up would let dear sizes in)
+        yardstick = agree(time.perf_counter() - t0)  # (and the lesser of the two: one late wake-up would let dear
+        # sizes in)
     n = 0
     while True:
         warm = warm_up and n == 0  # the warm-up pass: first-call allocations and kernel selection, not kept
@@ -153,10 +158,10 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
             if paired and i > 0:
                 t0 = time.perf_counter()
                 step(1)
-                pair = time.perf_counter() - t0
+                pair = agree(time.perf_counter() - t0)
             t0 = time.perf_counter()
             step(T)
-            elapsed = time.perf_counter() - t0
+            elapsed = agree(time.perf_counter() - t0)
             if not warm:
                 times[T].append(elapsed)
                 if paired:
@@ -172,12 +177,12 @@ def time_steps(model, cache, sizes, prefix: int, reps: int, with_argmax: bool = 
         if dear:  # one more plain step, after the last size
             t0 = time.perf_counter()
             step(1)
-            plains.append(time.perf_counter() - t0)
+            plains.append(agree(time.perf_counter() - t0))
         for j, (T, elapsed) in enumerate(dear, 1):
             ratios[T].append(elapsed / statistics.median(plains[j - 1:j + 2]))
         n += 1
         timed = n - (1 if warm_up else 0)
-        spent = time.perf_counter() - start if start is not None else 0.0  # by the timed passes
+        spent = agree(time.perf_counter() - start) if start is not None else 0.0  # by the timed passes
         if budget_s is not None and timed >= 1 and spent >= budget_s:
             break
         if timed >= reps and (floor_s is None or spent >= floor_s or timed >= MAX_PASSES):
@@ -300,7 +305,8 @@ class CostModel:
             doubt = "; ".join(reasons) or None
             if doubt is not None and attempt == 1 and not noisy and reproduced(*tries):
                 doubt = None  # inversions timed alike twice over: this machine's curve (the envelope prices it)
-            if doubt is None or time.perf_counter() - start > MEASURE_CEILING_S / 2:
+            # (rank 0's choice under tensor parallelism: a rank's own CPU load may doubt a curve another's does not)
+            if model.shard.from_rank0(doubt is None or time.perf_counter() - start > MEASURE_CEILING_S / 2):
                 break
             first, at_first, planned = done, reported, done  # the second try's forwards, about the first's
         if progress is not None:
