@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,49 @@ def test_the_commands_say_which_tier_runs_and_refuse_one_that_cannot(tiny_factor
     assert proc.returncode == 0 and json.loads(proc.stdout)["cpu_threads"] == 1, proc.stderr
     proc = run_module("tr_engine.cli.generate", "--model", folder, "--prompt", "hi", env=os.environ | {cpu.ENV: "sse9"})
     assert_one_line_error(proc, "unknown CPU tier 'sse9'", "TR_ENGINE_CPU")
+
+
+# A syscall() that refuses ARCH_REQ_XCOMP_PERM (as Linux before 5.16 does, or a sandbox that filters arch_prctl), and
+# passes every other call on: preloaded, it stands between the op library and the kernel.
+REFUSE_TILES = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <sys/syscall.h>
+long syscall(long n, ...) {
+  va_list ap;
+  va_start(ap, n);
+  long a[6];
+  for (int i = 0; i < 6; ++i) a[i] = va_arg(ap, long);
+  va_end(ap);
+  if (n == SYS_arch_prctl && a[0] == 0x1023) { errno = EPERM; return -1; }
+  static long (*real)(long, ...);
+  if (!real) real = (long (*)(long, ...))dlsym(RTLD_NEXT, "syscall");
+  return real(n, a[0], a[1], a[2], a[3], a[4], a[5]);
+}
+"""
+
+
+@pytest.mark.skipif("amx" not in CPU_TIERS, reason="this CPU has no AMX tiles to be refused")
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc)")
+def test_a_process_linux_refuses_the_tiles_runs_the_next_tier(tmp_path):
+    """AMX on the CPU, but the tiles not granted to this process: the op library must not offer the amx tier (its first
+    tile instruction would kill the process), the default is then avx512bf16, and TR_ENGINE_CPU=amx is one line that
+    says the OS, not the CPU, is what refused."""
+    import os
+
+    shim = tmp_path / "refuse_tiles.so"
+    (tmp_path / "refuse_tiles.c").write_text(REFUSE_TILES)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "refuse_tiles.c"), "-ldl"], check=True)
+    env = {k: v for k, v in os.environ.items() if k != cpu.ENV} | {"LD_PRELOAD": str(shim)}
+    proc = subprocess.run([sys.executable, "-c", "from tr_engine.model import cpu; print(sorted(cpu.features()), "
+                           "cpu.use())"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "amx_tile" not in proc.stdout and proc.stdout.split()[-1] == "avx512bf16", proc.stdout
+    proc = run_module("tr_engine.cli.generate", "--prompt", "hi", env=env | {cpu.ENV: "amx"})
+    assert_one_line_error(proc, "the CPU tier amx (TR_ENGINE_CPU) needs amx_tile, amx_bf16, which this CPU has but "
+                                "Linux did not grant this process")
 
 
 def test_the_op_library_refuses_a_tier_it_cannot_run():

@@ -51,6 +51,7 @@ TIERS = (
     Tier("scalar", "", (), (), "plain loops, the compiler's baseline vectors (any CPU)"),
 )
 NAMES = tuple(t.name for t in TIERS)
+LINUX_NAMES = {"avx512bf16": "avx512_bf16", "neon": "asimd"}  # the features /proc/cpuinfo spells otherwise
 
 
 # How every tier's library is compiled (setup.py; the cross-compile test), besides its own flags:
@@ -119,6 +120,20 @@ def features() -> frozenset[str]:
     return frozenset(_ops().cpu_features())
 
 
+def listed_by_linux() -> frozenset[str]:
+    """The tiers' features that /proc/cpuinfo lists for this CPU (by the tiers' names), whether or not the OS lets a
+    process use them: features() less these is what the OS withholds (AMX's tiles are granted per process). Empty off
+    Linux."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
+                  if line.startswith(("flags", "Features"))), set())
+    names = {f for t in TIERS for f in t.needs}
+    return frozenset(f for f in names if LINUX_NAMES.get(f, f) in flags)
+
+
 def runnable() -> tuple[Tier, ...]:
     """The built tiers this CPU can run, best first."""
     have = features()
@@ -143,6 +158,10 @@ def choose(name: str | None = None) -> Tier:
     if t not in for_this_machine():
         raise UserError(f"the CPU tier {name} ({source}) is for {t.machine} CPUs, not {platform.machine()} ({here})")
     missing = [f for f in t.needs if f not in features()]
+    if missing and set(missing) <= listed_by_linux():  # (the CPU has them, the OS does not let this process use them)
+        raise UserError(f"the CPU tier {name} ({source}) needs {', '.join(missing)}, which this CPU has but Linux did not "
+                        f"grant this process (AMX's tiles need Linux 5.16 or later, and no sandbox that filters "
+                        f"arch_prctl) ({here})")
     if missing:
         raise UserError(f"this CPU cannot run the CPU tier {name} ({source}): it lacks {', '.join(missing)} ({here})")
     if library(t) is None:
