@@ -28,7 +28,8 @@ def real(value, name: str, low: float | None = None, high: float | None = None, 
     if not math.isfinite(value):
         raise InvalidValue(f"{name} must be a finite number, got {value}")
     if (low is not None and (value < low or (low_open and value == low))) or (high is not None and value > high):
-        where = _range(low, high) if not low_open else f"above {low:g}" + (f" and at most {high:g}" if high is not None else "")
+        where = _range(low, high) if not low_open else \
+            f"above {low:g}" + (f" and at most {high:g}" if high is not None else "")
         raise InvalidValue(f"{name} must be {where}, got {value:g}")
     return value
 

@@ -12,7 +12,8 @@ from tr_engine.core.speculative_config import DEFAULT_SUFFIX_MB
 from tr_engine.errors import UserError
 from tr_engine.model.folders import DEFAULT_MODEL
 
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")  # weights.DTYPES, torch-free
+# weights.DTYPES' names, torch-free
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16")
 
 
 def integer(low: int | None = None, high: int | None = None, what: str = ""):

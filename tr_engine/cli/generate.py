@@ -110,7 +110,8 @@ def answer_file(engine, prompts: list, args, sampling) -> int:
     bad = {i: p for i, p in enumerate(prompts) if isinstance(p, BadLine)}
     results = engine.generate_batch([p if i not in bad else [] for i, p in enumerate(prompts)], args.max_new_tokens,
                                     chat_template=not args.no_template, method=args.method,
-                                    sampling=sampling, seed=args.seed, seed_from_prompt=args.seed_from_prompt, ignore_eos=args.ignore_eos)
+                                    sampling=sampling, seed=args.seed, seed_from_prompt=args.seed_from_prompt,
+                                    ignore_eos=args.ignore_eos)
     failed = 0
     for i, r in enumerate(results):
         error = f"prompt {i}: {bad[i]}" if i in bad else r.error

@@ -17,9 +17,10 @@ serves many sequences at once (tr_engine/core/batch.py). A drafter may also offe
 one step's drafts for several sequences planned together (the adaptive tree splits one forward's budget among them), and
 recycle_batch(drafts, logits), their recycles in one update; without them, each sequence proposes and recycles alone.
 It may offer remember(ids), handed each finished sequence (its prompt and answer: hybrid's suffix index learns
-from them). And it may offer `top_k` (the k its recycling needs: 1 for none) and recycle_top(draft, values, ids), the recycle
-from each node's top-k alone (values and ids [n+1, top_k], best first): a greedy step under tensor parallelism then
-merges just those from the ranks' columns of the logits (tr_engine/model/parallel.py) instead of gathering whole rows.
+from them). And it may offer `top_k` (the k its recycling needs: 1 for none) and recycle_top(draft, values, ids), the
+recycle from each node's top-k alone (values and ids [n+1, top_k], best first): a greedy step under tensor
+parallelism then merges just those from the ranks' columns of the logits (tr_engine/model/parallel.py) instead of
+gathering whole rows.
 """
 
 from array import array

@@ -38,7 +38,8 @@ _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 # Best first: the default is the first one this CPU runs.
 TIERS = (
     Tier("amx", "x86_64", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma",
-                           "-mf16c", "-mamx-tile", "-mamx-bf16"), _AVX512 + ("avx512bf16", "amx_tile", "amx_bf16") + _AVX2,
+                           "-mf16c", "-mamx-tile", "-mamx-bf16"),
+         _AVX512 + ("avx512bf16", "amx_tile", "amx_bf16") + _AVX2,
          "avx512bf16 with bf16 matmuls on AMX's tiles (Intel Sapphire Rapids and later)"),
     Tier("avx512bf16", "x86_64", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2",
                                   "-mfma", "-mf16c"), _AVX512 + ("avx512bf16",) + _AVX2,
@@ -159,9 +160,9 @@ def choose(name: str | None = None) -> Tier:
         raise UserError(f"the CPU tier {name} ({source}) is for {t.machine} CPUs, not {platform.machine()} ({here})")
     missing = [f for f in t.needs if f not in features()]
     if missing and set(missing) <= listed_by_linux():  # (the CPU has them, the OS does not let this process use them)
-        raise UserError(f"the CPU tier {name} ({source}) needs {', '.join(missing)}, which this CPU has but Linux did not "
-                        f"grant this process (AMX's tiles need Linux 5.16 or later, and no sandbox that filters "
-                        f"arch_prctl) ({here})")
+        raise UserError(f"the CPU tier {name} ({source}) needs {', '.join(missing)}, which this CPU has but Linux "
+                        f"did not grant this process (AMX's tiles need Linux 5.16 or later, and no sandbox that "
+                        f"filters arch_prctl) ({here})")
     if missing:
         raise UserError(f"this CPU cannot run the CPU tier {name} ({source}): it lacks {', '.join(missing)} ({here})")
     if library(t) is None:

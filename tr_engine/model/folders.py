@@ -64,7 +64,8 @@ def candidate_folders(name: str, model_dir: str | Path | None = None) -> list[Pa
         places.append(Path(os.environ["TR_ENGINE_MODELS"]) / name)
     places.append(model_cache() / name)
     repo = KNOWN_MODELS[name].hf_repo
-    hub = Path(os.environ.get("HF_HUB_CACHE", Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"))
+    hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    hub = Path(os.environ.get("HF_HUB_CACHE", hf_home / "hub"))
     snapshots = hub / f"models--{repo.replace('/', '--')}" / "snapshots"
     if snapshots.is_dir():
         places += sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)

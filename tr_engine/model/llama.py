@@ -51,7 +51,8 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_table(config: LlamaConfig, max_positions: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(config: LlamaConfig, max_positions: int, dtype: torch.dtype,
+               device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables for positions 0..max_positions-1, each [max_positions, D]: (cos, cos) and (-sin, sin).
 
     The angles are computed in float32 exactly as Hugging Face does, then cast to `dtype`.

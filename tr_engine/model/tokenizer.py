@@ -45,7 +45,8 @@ class Tokenizer:
         text = self.chat_template.render(messages, add_generation_prompt)
         # Templates that start with the BOS text already carry it; otherwise follow the tokenizer's own rule.
         add_bos = self.add_bos and not text.startswith(self.chat_template.bos_token or "\0")
-        forged = [m["content"] for m in messages if self.special_re is not None and self.special_re.search(m["content"])]
+        forged = [m["content"] for m in messages
+                  if self.special_re is not None and self.special_re.search(m["content"])]
         if self.parse_special or not forged:
             return self.encode(text, add_bos=add_bos)
         # Each content that holds special-token strings is encoded as text, the template around it as before (a
@@ -171,7 +172,8 @@ class SentencePieceTokenizer(Tokenizer):
         # Encoding "<unk>" + text and dropping the pieces of "<unk>" encodes text without the dummy prefix.
         self.unk_text = self.sp.IdToPiece(self.sp.unk_id())
         self.unk_len = len(self.sp.encode(self.unk_text))
-        self.specials = {self.sp.IdToPiece(i): i for i in range(self.vocab_size) if self.sp.IsControl(i) or self.sp.IsUnknown(i)}
+        self.specials = {self.sp.IdToPiece(i): i for i in range(self.vocab_size)
+                         if self.sp.IsControl(i) or self.sp.IsUnknown(i)}
         self.special_re = re.compile("(" + "|".join(re.escape(s) for s in sorted(self.specials, key=len, reverse=True))
                                      + ")") if self.specials else None
         bos = self.sp.IdToPiece(self.bos_id) if self.bos_id is not None else ""
@@ -206,7 +208,8 @@ def load_tokenizer(folder: str | Path, eos_ids: tuple[int, ...] = ()) -> Tokeniz
         return HFTokenizer(folder, config, eos_ids)
     if (folder / "tokenizer.model").is_file():
         return SentencePieceTokenizer(folder, config, eos_ids)
-    raise UserError(f"{folder} has no tokenizer.json or tokenizer.model; copy the tokenizer files into the model folder")
+    raise UserError(f"{folder} has no tokenizer.json or tokenizer.model; copy the tokenizer files into the model "
+                    "folder")
 
 
 class StreamDecoder:

@@ -253,7 +253,8 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"missing {len(missing)} weight(s): {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}")
+            more = " …" if len(missing) > 3 else ""
+            parts.append(f"missing {len(missing)} weight(s): {', '.join(missing[:3])}{more}")
         if unexpected:
             parts.append(f"unexpected {len(unexpected)}: {', '.join(sorted(unexpected)[:3])}"
                          f"{' …' if len(unexpected) > 3 else ''}")
