@@ -9,16 +9,6 @@ from pathlib import Path
 import torch
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def git_commit() -> str:
     """The checkout's short commit (-dirty with uncommitted changes); TR_ENGINE_COMMIT where there is no .git (a
     working tree copied to a GPU machine)."""
@@ -46,8 +36,10 @@ def cpu_tier() -> str:
 
 
 def machine_info(device: str = "cpu") -> dict:
+    from tr_engine.model import cpu
+
     info = {
-        "cpu": cpu_model(),
+        "cpu": cpu.name(),
         "cpu_tier": cpu_tier(),
         "cores": len(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(),

@@ -26,7 +26,6 @@ such a curve would be measured at every start.
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 from tr_engine.core.sampling import greedy
 from tr_engine.core.tree import sample_tree_mask
 from tr_engine.files import atomic_write
+from tr_engine.model import cpu
 from tr_engine.model.threads import CpuLoad
 
 # Verify sizes (tokens, root included) a tree may take, and the ones the cost curve measures. Every size from 1 to 8
@@ -407,15 +407,7 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
     """What the cost curve depends on; a cached curve with another key is measured again. (`tp`: a step under
     tensor parallelism pays the ranks' collectives too, a cost of its own; `cpu_tier`: the CPU kernels' instruction
     set, tr_engine/model/cpu.py, whose verify costs differ most of all.)"""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu.name()
     return {"model": model_name, "dtype": str(dtype).removeprefix("torch."), "device": where,
             "threads": torch.get_num_threads(), "ops": ops, "torch": torch.__version__,
             "build": kernels_build(cpu_tier) if "kernels" in ops else None, "cuda_graphs": cuda_graphs, "tp": tp,
@@ -427,7 +419,6 @@ def kernels_build(cpu_tier: str | None = None) -> str:
     tier in use (tr_engine/model/cpu.py), where the CPU kernels are. A rebuilt kernel has another cost curve. (Hashing
     the op library alone kept a curve measured with the CPU kernels before a change.)"""
     import tr_engine._C
-    from tr_engine.model import cpu
 
     files = [Path(tr_engine._C.__file__)]
     if cpu_tier:

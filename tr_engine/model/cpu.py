@@ -121,18 +121,26 @@ def features() -> frozenset[str]:
     return frozenset(_ops().cpu_features())
 
 
+def _cpuinfo(*fields: str) -> str | None:
+    """The first processor's value of the first of `fields` that /proc/cpuinfo lists; None off Linux."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(fields)), None)
+
+
+def name() -> str:
+    """The CPU's model name (what benchmarks record, and the cost curve's cache is keyed by)."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
 def listed_by_linux() -> frozenset[str]:
     """The tiers' features that /proc/cpuinfo lists for this CPU (by the tiers' names), whether or not the OS lets a
     process use them: features() less these is what the OS withholds (AMX's tiles are granted per process). Empty off
     Linux."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
-                  if line.startswith(("flags", "Features"))), set())
-    names = {f for t in TIERS for f in t.needs}
-    return frozenset(f for f in names if LINUX_NAMES.get(f, f) in flags)
+    flags = set((_cpuinfo("flags", "Features") or "").split())
+    return frozenset(f for f in {f for t in TIERS for f in t.needs} if LINUX_NAMES.get(f, f) in flags)
 
 
 def runnable() -> tuple[Tier, ...]:
