@@ -242,6 +242,24 @@ def test_batch_bench_on_a_tiny_model(tiny_factory, tmp_path):
     assert "3 questions of w.jsonl" in text and "the median of 3 rounds" in text
 
 
+def test_dtypes_bench_sets_each_half_type_against_float32(tiny_factory, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"Question {i}?"]}) + "\n"
+                                 for i in range(3)))
+    proc = bench_main("bench.dtypes", "--model", str(tiny_factory("bench-dtypes")), "--dtypes", "float32", "bfloat16",
+                      "--questions", "2", "--warmup", "1", "--questions-file", str(questions), "--max-new-tokens", "6",
+                      "--threads", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / f"dtypes_{cpu.active()}.json").read_text())
+    assert data["machine"]["cpu_tier"] == cpu.active() and data["questions"] == 2 and data["warmup"] == 1
+    fp32, bf16 = data["rows"]["float32"], data["rows"]["bfloat16"]
+    assert fp32["identical_to_float32"] == 2 and fp32["agreeing_tokens"] == fp32["float32_tokens"]
+    assert 0 <= bf16["identical_to_float32"] <= 2 and 0 <= bf16["agreeing_tokens"] <= bf16["float32_tokens"]
+    assert fp32["lossless"] == bf16["lossless"] == 2  # every method commits its dtype's plain answer
+    assert all(r["ar_tokens_per_s"] > 0 and r["hybrid_tokens_per_s"] > 0 for r in (fp32, bf16))
+    assert "| bfloat16 |" in (tmp_path / f"dtypes_{cpu.active()}.md").read_text()
+
+
 def test_prefill_stall_compares_whole_and_chunked_prompts_joining_a_batch(tiny_factory, tmp_path):
     proc = bench_main("bench.prefill_stall", "--model", str(tiny_factory("bench-stall")), "--dtype", "float32",
                       "--prompt-tokens", "120", "--chunks", "0", "16", "--max-new-tokens", "16", "--after", "2",

@@ -33,12 +33,14 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     every CPU tier's kernels are row-independent, so speculative decoding in a half type is bit for bit plain
     decoding, and a half-precision step streams half of fp32's bytes (plain decoding 1.5-1.8x fp32's, README "CPUs").
     Of the two half types, float16 keeps 3 more mantissa bits: SmolLM2's logits land within 0.04 of fp32's where
-    bf16's move by 0.5, enough to flip its answer to "What is the capital of France?". float16 decodes plainly as fast
-    as bf16 on the AVX2 tier (F16C widens it in one instruction), its verify steps cost more there (hybrid in bf16
-    1.12x f16's: README "CPUs"), it is ~10% slower on AVX512-BF16 hosts (no fp16 dot product), and on the amx tier,
-    whose bf16 matmuls run on AMX's tiles, hybrid in bf16 ran 1.63x f16's (14 dev turns, prefill included);
-    `--dtype bfloat16` takes that back, and a model whose activations overflow float16 is told to (decode.prefill).
-    On a GPU float32: its stock half-precision matmuls are not row-independent, so only fp32 keeps drafting exact."""
+    bf16's move by 0.5, enough to flip its answer to "What is the capital of France?" (avx512bf16 tier); over 48 dev
+    questions on the amx tier float16's answers were fp32's on 34, bf16's on 8 (bench/results/dtypes_amx.md). float16
+    decodes plainly as fast as bf16 on the AVX2 tier (F16C widens it in one instruction), its verify steps cost more
+    there (hybrid in bf16 1.12x f16's: README "CPUs"), it is ~10% slower on AVX512-BF16 hosts (no fp16 dot product),
+    and on the amx tier, whose bf16 matmuls run on AMX's tiles, hybrid in bf16 ran 1.48x f16's (48 dev questions,
+    prefills included); `--dtype bfloat16` takes that back, and a model whose activations overflow float16 is told to
+    (decode.prefill). On a GPU float32: its stock half-precision matmuls are not row-independent, so only fp32 keeps
+    drafting exact."""
     return torch.float16 if torch.device(device).type == "cpu" else torch.float32
 
 
