@@ -39,7 +39,7 @@ def machine_info(device: str = "cpu") -> dict:
     from tr_engine.model import cpu
 
     info = {
-        "cpu": cpu.name(),
+        "cpu": cpu.model_name(),
         "cpu_tier": cpu_tier(),
         "cores": len(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(),

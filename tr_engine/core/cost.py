@@ -407,7 +407,7 @@ def cost_key(model_name: str, dtype: torch.dtype, device: torch.device, ops: str
     """What the cost curve depends on; a cached curve with another key is measured again. (`tp`: a step under
     tensor parallelism pays the ranks' collectives too, a cost of its own; `cpu_tier`: the CPU kernels' instruction
     set, tr_engine/model/cpu.py, whose verify costs differ most of all.)"""
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu.name()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu.model_name()
     return {"model": model_name, "dtype": str(dtype).removeprefix("torch."), "device": where,
             "threads": torch.get_num_threads(), "ops": ops, "torch": torch.__version__,
             "build": kernels_build(cpu_tier) if "kernels" in ops else None, "cuda_graphs": cuda_graphs, "tp": tp,

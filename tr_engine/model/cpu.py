@@ -130,7 +130,7 @@ def _cpuinfo(*fields: str) -> str | None:
     return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(fields)), None)
 
 
-def name() -> str:
+def model_name() -> str:
     """The CPU's model name (what benchmarks record, and the cost curve's cache is keyed by)."""
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
