@@ -203,7 +203,7 @@ struct HeadKeys {
   int64_t D, P, ld, T;
   bool pairs;  // the prefix keys as bf16 pairs (see above), not as Acc
   int64_t base = 0;  // the first prefix slot held
-  Acc* data;  // D * ld + T * D elements, uninitialised: fill_keys writes every element that is read
+  Acc* data;  // D * ld + T * D elements, uninitialised: fill_keys writes every element that is read (padding: zeros)
   Acc* kt() { return data; }
   Acc* ktree() { return kt() + D * ld; }
   // The prefix keys' layout (KeyLayout: groups of kKeyPad keys, each group's dims in turn), pairs or not.
@@ -317,6 +317,13 @@ void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t
   }
   for (; jb < prefix_end; ++jb)
     for (int64_t d = 0; d < D; ++d) *b.at(d, jb) = to_float(k[jb * slot_stride + d]);
+  // The padding slots after the last prefix key (up to a whole group), zeros: their scores are computed and dropped,
+  // and whatever the buffer held before could be subnormal floats, whose multiply-adds take a microcode assist each on
+  // x86 (an 8-token verify's attention ran 2-3x slower on stale denormal padding than on zeros). The call that
+  // converts slot P - 1 writes them.
+  if (j0 < P && j1 >= P)
+    for (int64_t j = P; j < round_up(P, kKeyPad); ++j)
+      for (int64_t c = 0; c < (b.pairs ? D / 2 : D); ++c) *b.at(c, j) = Acc(0);
   for (int64_t j = std::max(j0, P); j < j1; ++j)
     for (int64_t d = 0; d < D; ++d) b.ktree()[(j - P) * D + d] = to_float(k[j * slot_stride + d]);
 }
@@ -398,8 +405,10 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
     if (seen[i]) keys.push_back(i);
   const int64_t nu = static_cast<int64_t>(keys.size()), nup = round_up(nu, kKeyPad), ldt = w.Tp;
   Acc* ku = w.ku.get();
-  for (int64_t u = 0; u < nu; ++u)
-    for (int64_t d = 0; d < D; ++d) ku[d * nup + u] = b.ktree()[keys[u] * D + d];
+  for (int64_t d = 0; d < D; ++d) {
+    for (int64_t u = 0; u < nu; ++u) ku[d * nup + u] = b.ktree()[keys[u] * D + d];
+    std::fill(ku + d * nup + nu, ku + (d + 1) * nup, Acc(0));  // padding, zeros (not stale floats: fill_keys says why)
+  }
 
   Acc m[R], l[R];  // per row: running max and sum of the softmax
   std::fill(m, m + R, -std::numeric_limits<Acc>::infinity());
