@@ -134,17 +134,19 @@ def test_step_times_correct_the_curve_online():
     T = plan(trees, m)[0].size
     assert trees.times.curve(100) == dict(zip(BUCKETS, CPU_LIKE.curve(100)))  # nothing observed: the calibration
     predicted = CPU_LIKE.seconds(T, 100)
-    for _ in range(40):  # steps of this size take 3x what the calibration said (the machine slowed, say)
+    for _ in range(100):  # steps of this size take 3x what the calibration said (the machine slowed, say)
         trees.observe_step(T, 100, 3 * predicted)
     assert trees.times.factor[T] == pytest.approx(3.0, rel=0.01)
     now = trees.times.curve(100)
     assert now[T] == pytest.approx(3 * CPU_LIKE.cost(T, 100), rel=0.01)
     assert now[BUCKETS[-1]] == pytest.approx(3 * CPU_LIKE.cost(BUCKETS[-1], 100), rel=0.01)  # borrowed
-    for _ in range(40):  # while plain steps cost what was said: every draft is dearer, relative to them
+    for _ in range(200):  # while plain steps cost what was said: every draft is dearer, relative to them
         trees.observe_step(1, 100, CPU_LIKE.seconds(1, 100))
+    assert trees.times.factor[1] == pytest.approx(1.0, rel=0.01)
     assert plan(trees, m)[0].size < T
+    f = trees.times.factor[1]
     trees.observe_step(1, 100, 1000.0)  # one outlier (a preemption) moves a factor by at most 1/32 of 2x
-    assert trees.times.factor[1] == pytest.approx(1 + 1 / 32, rel=1e-3)
+    assert trees.times.factor[1] == pytest.approx(f * (1 + 1 / 32), rel=1e-9)
     before = trees.times
     trees.cost = CPU_LIKE  # the same curve again (each decode call sets it): the corrections stay
     assert trees.times is before
@@ -161,12 +163,33 @@ def test_a_bucket_not_stepped_takes_the_factor_of_the_nearest_one_stepped():
     a tie); which bucket that is changes as buckets are stepped first, and the curve follows."""
     times = StepTimes(CPU_LIKE)
     times.observe(16, 100, 2 * CPU_LIKE.seconds(16, 100))  # 16 tokens (bucket 10) took twice the calibration's time
-    assert list(times.curve(100).values()) == pytest.approx([2 * c for c in CPU_LIKE.curve(100)])
+    f16 = times.factor[16]
+    assert f16 == pytest.approx(1.25)  # (a first step moves its bucket a quarter of the way: PRIOR)
+    assert list(times.curve(100).values()) == pytest.approx([f16 * c for c in CPU_LIKE.curve(100)])
     times.observe(1, 100, CPU_LIKE.seconds(1, 100))  # a plain step (bucket 0) took what it said
+    f1 = times.factor[1]
+    assert f1 == pytest.approx(f16 + (1 - f16) / 4)  # (from the factor it borrowed, 16's)
     factors = [now / c for now, c in zip(times.curve(100).values(), CPU_LIKE.curve(100))]
-    assert factors == pytest.approx([1.0] * 5 + [2.0] * (len(BUCKETS) - 5))  # 6 tokens (bucket 5): a tie, the bigger
-    times.observe(6, 100, 3 * CPU_LIKE.seconds(6, 100))
-    assert times.curve(100)[5] == pytest.approx(3 * CPU_LIKE.cost(5, 100))  # 5 tokens: now nearest to 6's bucket
+    assert factors == pytest.approx([f1] * 5 + [f16] * (len(BUCKETS) - 5))  # 6 tokens (bucket 5): a tie, the bigger
+    times.observe(6, 100, 3 * f16 * CPU_LIKE.seconds(6, 100))
+    f6 = times.factor[6]
+    assert f6 == pytest.approx(f16 * 1.25)  # (3x its borrowed factor, clipped to 2x, a quarter of the way there)
+    assert times.curve(100)[5] == pytest.approx(f6 * CPU_LIKE.cost(5, 100))  # 5 tokens: now nearest to 6's bucket
+
+
+def test_one_slow_first_step_does_not_price_a_size_out():
+    """A size priced out is never stepped, so its correction is never corrected: one slow first step must not do it.
+    It moves its bucket a quarter of the way from the factor it borrowed, and no size costs more than a bigger one."""
+    times = StepTimes(CPU_LIKE)
+    for _ in range(50):
+        times.observe(4, 100, CPU_LIKE.seconds(4, 100))  # size 4 costs what the calibration said
+    times.observe(3, 100, 1.3 * CPU_LIKE.seconds(3, 100))  # size 3's first step: 30% slow (a neighbour's spike)
+    assert times.factor[3] == pytest.approx(1 + 0.3 / 4)
+    for _ in range(50):
+        times.observe(5, 100, 1.5 * CPU_LIKE.seconds(5, 100))  # size 5: steadily dearer than calibrated
+    curve = times.curve(100)
+    assert list(curve.values()) == sorted(curve.values())  # no size dearer than a bigger one
+    assert curve[3] <= curve[4] == pytest.approx(CPU_LIKE.cost(4, 100))
 
 
 def test_the_decode_loop_times_its_steps_for_the_adaptive_tree(tiny):

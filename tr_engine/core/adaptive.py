@@ -167,9 +167,17 @@ class StepTimes:
     the curve's prediction for its size update its bucket's factor (a decayed mean; single outliers, a preemption say,
     are clipped to 2x). A bucket not stepped yet borrows the factor of the nearest one that was (the bigger one on a
     tie), so a curve that drifted up makes the unexplored sizes look dearer too, and one that drifted down gets them
-    tried."""
+    tried.
+
+    Two guards keep one noisy step from pricing a size out for good (a size priced out is never stepped again, so its
+    factor is never corrected): a bucket's first step starts from the factor it borrowed, counted as PRIOR steps, so
+    that step moves it a quarter of the way, not all of it; and the corrected curve never has a size cost more than a
+    bigger one (a verify of more tokens does all the work of fewer). Before them, a bucket's first step set its
+    factor whole: in one Spec-Bench run (amx, bf16) sizes 2, 3, 5 and 6 each got one slow first step (1.11-1.26x),
+    were priced above size 4 from then on, and every one of 6372 steps verified 1 or 4 tokens."""
 
     RECENT = 32  # the factor is a mean over about this many recent steps of its bucket
+    PRIOR = 3  # the steps a bucket's borrowed factor counts for at its first step of its own
 
     def __init__(self, model: CostModel):
         self.model = model
@@ -183,24 +191,32 @@ class StepTimes:
         if predicted <= 0.0:  # a curve without timings (a cache too small to measure in) has nothing to correct
             return
         T = next(b for b in buckets if b >= tokens)  # the bucket the step was charged as
-        r, f, n = seconds / predicted, self.factor.get(T), self.count.get(T, 0)
-        if f is not None:
-            r = min(max(r, f / 2), f * 2)
-        self.factor[T] = r if f is None else f + max(1 / (n + 1), 1 / self.RECENT) * (r - f)
+        f, n = self.factor.get(T), self.count.get(T, 0)
+        if f is None:  # its first step: from the factor it borrowed until now (1.0 while none was stepped)
+            near = self._borrowed()[buckets.index(T)]
+            f, n = (self.factor[near] if near is not None else 1.0), self.PRIOR
+            self._nearest = None  # (the others may borrow from it now)
+        r = min(max(seconds / predicted, f / 2), f * 2)
+        self.factor[T] = f + max(1 / (n + 1), 1 / self.RECENT) * (r - f)
         self.count[T] = n + 1
-        if f is None:  # a bucket stepped for the first time: the others may borrow from it now
-            self._nearest = None
+
+    def _borrowed(self) -> list[int | None]:
+        """Per bucket, the stepped bucket whose factor it takes: its own, else the nearest (the bigger on a tie)."""
+        if self._nearest is None:  # (each plan asks: worked out again only when a bucket is stepped first)
+            seen = [(i, T) for i, T in enumerate(self.model.buckets) if T in self.factor]
+            self._nearest = [min(seen, key=lambda s: (abs(s[0] - i), -s[0]))[1] if seen else None
+                             for i in range(len(self.model.buckets))]
+        return self._nearest
 
     def curve(self, prefix: int) -> dict[int, float]:
         """The estimated cost of a step of each bucket size after `prefix` cached tokens, in the calibration's plain
-        steps (the calibrated curve, corrected)."""
+        steps (the calibrated curve, corrected; no size dearer than a bigger one)."""
         buckets = self.model.buckets
-        if self._nearest is None:  # (each plan asks: worked out again only when a bucket is stepped first)
-            seen = [(i, T) for i, T in enumerate(buckets) if T in self.factor]
-            self._nearest = [min(seen, key=lambda s: (abs(s[0] - i), -s[0]))[1] if seen else None
-                             for i in range(len(buckets))]
-        return {T: c * (self.factor[near] if near is not None else 1.0)
-                for T, c, near in zip(buckets, self.model.curve(prefix), self._nearest)}
+        cost = [c * (self.factor[near] if near is not None else 1.0)
+                for c, near in zip(self.model.curve(prefix), self._borrowed())]
+        for i in range(len(cost) - 2, -1, -1):
+            cost[i] = min(cost[i], cost[i + 1])
+        return dict(zip(buckets, cost))
 
 
 class AdaptiveTrees:
@@ -219,6 +235,7 @@ class AdaptiveTrees:
         self.stats = [ConfidenceStats() for _ in CONTEXTS]  # (by context: CONTEXTS)
         self.refresh, self.device = refresh, device
         self.shard = shard  # under tensor parallelism every rank must plan the same trees: step times are agreed
+        self._cost, self.times = None, None  # (none yet: the engine sets its curve at the first decode)
         self.cost = cost
         self.pinned = pinned  # the cost curve stays the one given: the engine does not set it, steps do not correct it
         self.buckets = tuple(T for T in BUCKETS if T <= max_tokens)
@@ -232,7 +249,7 @@ class AdaptiveTrees:
 
     @cost.setter
     def cost(self, cost: CostModel | None) -> None:
-        if cost is not getattr(self, "_cost", None):  # a new curve (a first one, a recalibration): learn afresh
+        if cost is not self._cost:  # a new curve (a first one, a recalibration): learn afresh
             self._cost = cost
             self.times = StepTimes(cost) if cost is not None else None
 
