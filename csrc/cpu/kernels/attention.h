@@ -13,6 +13,7 @@
 #include "api.h"
 #include "parallel.h"
 #include "simd.h"
+#include "tiles.h"
 
 #include <algorithm>
 #include <cmath>
@@ -35,9 +36,11 @@ constexpr int64_t kRows = 6;
 constexpr int64_t kCols = kLanes == 16 ? 64 : 16;
 constexpr int64_t kKeyPad = 16;  // prefix keys are padded to a multiple of this (one vector), not of kCols
 constexpr int64_t kKeyBlock = 256;  // keys per softmax block: 6 rows of scores stay in L1 (6 KB)
+// The most query rows a task takes: one AMX tile's on the amx tier (its bf16 heads: amx_attention), kRows elsewhere.
+constexpr int64_t kTaskRows = kAmx ? 16 : kRows;
 // A causal chunk (a prompt's) is attended as a prefix that each row sees up to itself (attend_rows): the rows of one
-// task end at most kRows keys apart, so the keys past their last shared block are fewer than this.
-constexpr int64_t kTailWidth = kKeyBlock + kKeyPad * ((kRows + kKeyPad - 1) / kKeyPad);
+// task end at most kTaskRows keys apart, so the keys past their last shared block are fewer than this.
+constexpr int64_t kTailWidth = kKeyBlock + kKeyPad * ((kTaskRows + kKeyPad - 1) / kKeyPad);
 // From this many tokens on, a causal mask (a lower triangle of ones) is attended that way rather than as a tree.
 constexpr int64_t kCausalMin = 16;
 
@@ -152,6 +155,190 @@ void values_rows(int64_t rows_n, const Acc* p, int64_t ldp, const V* const* rows
     default: values_tile<Acc, kRows>(p, ldp, rows, n, o, D); break;
   }
 }
+
+// ---- bf16 attention on AMX's tiles (the amx tier) -------------------------------------------------------------
+//
+// With bf16 keys and values, D a multiple of 64, the amx tier runs a task's scores and its values' products on the
+// tiles (tiles.h): a task is then up to 16 query rows (one tile's), not kRows, and one tdpbf16ps takes 16 rows times
+// 32 dims of 16 keys, where the vector tiles above take one multiply-add per row, key and dim. Everything else (the
+// blocks, the softmax, which keys a row sees, in which order) is attend_rows' as on every tier.
+//  - Scores: q's rows as bf16 (as they are in the cache's dtype) times the keys' bf16 pairs, which HeadKeys already
+//    lays out as the tiles' B operand (16 pairs of a group of 16 keys, 64 bytes a pair); the sums are then scaled to
+//    log2 units (the vector tiles scale q first: the tiers round apart here, as they do elsewhere).
+//  - Values: each probability as two bf16 halves, hi = bf16(p) and lo = bf16(p - hi) (together p to ~2^-16), times the
+//    value rows interleaved in key pairs (word (i, d): dims d of keys 2i and 2i + 1), into float sums.
+// Each sum is a function of its own row, its key (or value column) and a fixed sequence of instructions, so a row's
+// bits are the same wherever it is computed (in a tile of 1 row or 16, with the prefix's keys or a tree's): the tier
+// stays row-independent, and speculative decoding exact on it.
+#if defined(TR_ENGINE_AMX)
+namespace amx_attention {
+
+constexpr int64_t kTileRows = 16;  // a task's query rows at most: one tile's
+constexpr int64_t kPairKeys = 32;  // keys per tdpbf16ps in the values' products (16 pairs)
+
+// Whether a head of dim D runs on the tiles (bf16 keys and values, float scores).
+template <typename scalar_t, typename Acc>
+bool applies(int64_t D) {
+  return std::is_same_v<scalar_t, bf16> && std::is_same_v<Acc, float> && D % 64 == 0;
+}
+
+// A task's tiles: sums 0-3 (`rows` rows of 16 floats), its rows' operands 4-5 (`rows` rows of 32 bf16), the keys' or
+// values' operands 6-7 (16 rows of 16 words).
+inline void configure(int rows) {
+  tiles::Config c;
+  for (int t = 0; t < 6; ++t) c.shape(t, rows);
+  c.shape(6, 16);
+  c.shape(7, 16);
+  c.load();
+}
+
+// s[r, j] = scale * sum_d q[r, d] k_j[d] for the task's rows (q: [rows, D] bf16, D apart) and the n keys (a multiple
+// of 16) of kp, in HeadKeys' pair layout (a group of 16 keys is D / 2 rows of 16 words; word (c, i): dims 2c, 2c + 1
+// of key i). Rows of s: lds floats apart.
+inline void scores(const bf16* q, int64_t D, const uint32_t* kp, int64_t n, float scale, int rows, float* s,
+                   int64_t lds) {
+  const int64_t group = D / 2 * kKeyPad, ldq = D * static_cast<int64_t>(sizeof(bf16));
+  const int64_t ld = lds * static_cast<int64_t>(sizeof(float));
+  for (int64_t j = 0; j < n; j += 2 * kKeyPad) {
+    const uint32_t* k0 = kp + j / kKeyPad * group;
+    _tile_zero(0);
+    if (j + kKeyPad < n) {  // two groups of keys: both against each step of q
+      _tile_zero(1);
+      for (int64_t c = 0; c < D / 32; ++c) {
+        _tile_loadd(4, q + 32 * c, ldq);
+        _tile_loadd(6, k0 + 16 * kKeyPad * c, 64);
+        _tile_loadd(7, k0 + group + 16 * kKeyPad * c, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      _tile_stored(1, s + j + kKeyPad, ld);
+    } else {
+      for (int64_t c = 0; c < D / 32; ++c) {
+        _tile_loadd(4, q + 32 * c, ldq);
+        _tile_loadd(6, k0 + 16 * kKeyPad * c, 64);
+        _tile_dpbf16ps(0, 4, 6);
+      }
+    }
+    _tile_stored(0, s + j, ld);
+  }
+  const Vec f = broadcast(scale);
+  for (int r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n; j += kLanes) store(s + r * lds + j, mul(load(s + r * lds + j), f));
+}
+
+// The probabilities of rows r0..r1-1 at block positions k0..k0+np-1 (np a multiple of kPairKeys) as their high and
+// low bf16 halves, row r zero from its own n[r] on (hi, lo: rows ldh apart, from column 0).
+inline void halves(const float* p, int64_t ldp, const int64_t* n, int64_t r0, int64_t r1, int64_t k0, int64_t np,
+                   bf16* hi, bf16* lo, int64_t ldh) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t j = 0; j < np; j += kLanes) {
+      const int64_t valid = n[r] - (k0 + j);
+      const Vec x = valid >= kLanes ? load(p + r * ldp + k0 + j)
+                                    : valid > 0 ? load_first(p + r * ldp + k0 + j, static_cast<int>(valid)) : zero();
+      store(hi + r * ldh + j, x);
+      store(lo + r * ldh + j, add(x, mul(load(hi + r * ldh + j), broadcast(-1.0f))));  // exact: x - hi
+    }
+}
+
+// Dims d0..d0+63 of n value rows in key pairs, np / 2 rows of 64 words (np a multiple of kPairKeys): word (i, d) holds
+// dim d0 + d of row 2i (low half) and of row 2i + 1; zeros from row n on.
+inline void pairs(const bf16* const* rows, int64_t n, int64_t np, int64_t d0, uint32_t* vp) {
+  alignas(64) static constexpr int16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr int16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t i = 0; i < np / 2; ++i) {
+    uint32_t* dst = vp + i * 64;
+    for (int64_t d = 0; d < 64; d += 32) {
+      const __m512i a = 2 * i < n ? _mm512_loadu_si512(rows[2 * i] + d0 + d) : _mm512_setzero_si512();
+      const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(rows[2 * i + 1] + d0 + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, high, b));
+    }
+  }
+}
+
+// Sums tiles 0-3 += the probabilities' halves (rows ldh bf16 apart) times the value pairs of `np` keys (64 dims).
+inline void products(const bf16* hi, const bf16* lo, int64_t ldh, const uint32_t* vp, int64_t np) {
+  const int64_t ld = ldh * static_cast<int64_t>(sizeof(bf16));
+  for (int64_t k = 0; k < np; k += kPairKeys) {
+    _tile_loadd(4, hi + k, ld);
+    _tile_loadd(5, lo + k, ld);
+    const uint32_t* v = vp + k / 2 * 64;
+    _tile_loadd(6, v, 256);
+    _tile_loadd(7, v + 16, 256);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_loadd(6, v + 32, 256);
+    _tile_loadd(7, v + 48, 256);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// One softmax block's values for a task's R rows: row r has n[r] keys in this block (0: none, its output untouched),
+// p its probabilities (rows ldp apart). Keys 0..shared-1 have the same value rows for every row (`rows`: a block of
+// prefix slots); after them each token's group of rows g (rows groups[g].r0..r1-1) has its own (groups[g].rows, for
+// keys shared..n-1 of its rows). o[r, :] += sum_j p[r, j] v_j, on the tiles, a group's keys with every other row's
+// probabilities zero there: a row's sums take the same products in the same order of key pairs as the block's
+// computed for that row alone (its own keys, then zeros, which add nothing), so its bits are the same.
+struct Group {
+  int64_t r0, r1;
+  const bf16* const* rows;  // value rows from key `shared` on
+};
+struct ValueScratch {
+  bf16* hi;      // [kTileRows, kKeyBlock] the shared keys' probabilities, high halves
+  bf16* lo;      // and low halves
+  bf16* ghi;     // [kTileRows, kKeyBlock] a group's (zeros but for the group being done)
+  bf16* glo;
+  uint32_t* vp;  // [kKeyBlock / 2, 64] value pairs
+  float* sums;   // [kTileRows, 64] one pass's sums
+};
+inline void block_values(const float* p, int64_t ldp, int64_t R, const int64_t* n, const bf16* const* rows,
+                         int64_t shared, const Group* groups, int64_t n_groups, float* o, int64_t D, ValueScratch w) {
+  const int64_t shared_np = round_up(shared, kPairKeys);
+  halves(p, ldp, n, 0, R, 0, shared_np, w.hi, w.lo, kKeyBlock);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 64 dims a pass: 4 tiles of sums
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    if (shared_np > 0) {
+      pairs(rows, shared, shared_np, d0, w.vp);
+      products(w.hi, w.lo, kKeyBlock, w.vp, shared_np);
+    }
+    for (int64_t g = 0; g < n_groups; ++g) {
+      const Group& G = groups[g];
+      const int64_t count = n[G.r0] - shared, np = round_up(count, kPairKeys);  // (a group's rows share their n)
+      if (count <= 0) continue;
+      halves(p, ldp, n, G.r0, G.r1, shared, np, w.ghi, w.glo, kKeyBlock);
+      pairs(G.rows, count, np, d0, w.vp);
+      products(w.ghi, w.glo, kKeyBlock, w.vp, np);
+      for (int64_t r = G.r0; r < G.r1; ++r) {  // zeros again for the next group
+        std::memset(w.ghi + r * kKeyBlock, 0, np * sizeof(bf16));
+        std::memset(w.glo + r * kKeyBlock, 0, np * sizeof(bf16));
+      }
+    }
+    _tile_stored(0, w.sums, 256);
+    _tile_stored(1, w.sums + 16, 256);
+    _tile_stored(2, w.sums + 32, 256);
+    _tile_stored(3, w.sums + 48, 256);
+    for (int64_t r = 0; r < R; ++r)
+      if (n[r] > 0)
+        for (int64_t c = 0; c < 64; c += kLanes) {
+          float* dst = o + r * D + d0 + c;
+          store(dst, add(load(dst), load(w.sums + r * 64 + c)));
+        }
+  }
+}
+
+}  // namespace amx_attention
+#endif
 
 // A buffer aligned to 64 bytes (one vector). Every row of scores starts on a vector boundary, so a vectorised sum
 // over a row splits into lanes the same way wherever the row lives: part of what makes the results row-independent.
@@ -339,12 +526,40 @@ struct TaskScratch {
   std::vector<int64_t> tree_keys;           // the union of the task's tokens' visible tree keys (indices into the tree)
   std::vector<int64_t> own;                 // one token's visible keys, as positions in tree_keys
   std::unique_ptr<bool[]> seen;             // [T] membership in that union
+#if defined(TR_ENGINE_AMX)
+  // amx_attention's operands: [16, D] the queries as bf16; the tree keys the task sees in HeadKeys' pair layout
+  // ([Tp / 16] groups of D / 2 x 16 words); the values' staging (ValueScratch), zeroed once (a tile's rows past a
+  // call's own read what earlier calls left, never uninitialised memory; a group's halves are zeros but its own);
+  // and a block's groups of rows (one a token), their keys' counts and value rows.
+  Aligned<bf16> qb, hi, lo, ghi, glo;
+  Aligned<uint32_t> kup, vp;
+  Aligned<float> sums;
+  std::vector<amx_attention::Group> groups;
+  std::vector<const bf16*> group_rows;
+  int64_t n[16];
+#endif
   TaskScratch(int64_t D, int64_t T)
-      : Tp(round_up(T, kKeyPad)), qs(kRows * D), s(kRows * kKeyBlock), s_tail(kRows * kTailWidth),
-        s_tree(kRows * Tp), ku(D * Tp), o(kRows * D), value_rows(kKeyBlock), seen(new bool[T]) {
+      : Tp(round_up(T, kKeyPad)), qs(kTaskRows * D), s(kTaskRows * kKeyBlock), s_tail(kTaskRows * kTailWidth),
+        s_tree(kTaskRows * Tp), ku(D * Tp), o(kTaskRows * D), value_rows(kKeyBlock), seen(new bool[T])
+#if defined(TR_ENGINE_AMX)
+        , qb(16 * D), hi(16 * kKeyBlock), lo(16 * kKeyBlock), ghi(16 * kKeyBlock), glo(16 * kKeyBlock),
+        kup(Tp * D / 2), vp(kKeyBlock / 2 * 64), sums(16 * 64), group_rows(16 * kKeyBlock)
+#endif
+  {
     tree_keys.reserve(T);
     own.reserve(T);
+#if defined(TR_ENGINE_AMX)
+    std::memset(qb.get(), 0, sizeof(bf16) * 16 * D);
+    std::memset(hi.get(), 0, sizeof(bf16) * 16 * kKeyBlock);
+    std::memset(lo.get(), 0, sizeof(bf16) * 16 * kKeyBlock);
+    std::memset(ghi.get(), 0, sizeof(bf16) * 16 * kKeyBlock);
+    std::memset(glo.get(), 0, sizeof(bf16) * 16 * kKeyBlock);
+    groups.reserve(16);
+#endif
   }
+#if defined(TR_ENGINE_AMX)
+  amx_attention::ValueScratch values() { return {hi.get(), lo.get(), ghi.get(), glo.get(), vp.get(), sums.get()}; }
+#endif
 };
 
 // The calling thread's scratch for tasks of head dim D over T tree tokens, kept from one call to the next while D and T
@@ -382,6 +597,16 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
                  const scalar_t* k, const scalar_t* v, int64_t ldv, const bool* mask, const int64_t* tok,
                  const int64_t* qhead, TaskScratch<scalar_t, Acc>& w, scalar_t* out, int64_t Hq, bool causal) {
   const int64_t D = b.D, P = b.P, T = causal ? 0 : b.T;
+  // On the tiles (the amx tier's bf16 heads: amx_attention), or in the vector tiles (every task on every other tier,
+  // which never has more than kRows rows).
+#if defined(TR_ENGINE_AMX)
+  constexpr bool kTileTypes = std::is_same_v<scalar_t, bf16> && std::is_same_v<Acc, float>;
+  const bool on_tiles = kTileTypes && amx_attention::applies<scalar_t, Acc>(D);
+  if constexpr (kTileTypes)
+    if (on_tiles) amx_attention::configure(static_cast<int>(R));
+#else
+  constexpr bool on_tiles = false;
+#endif
   if (windowed) fill_keys(b, k, ldv, P, P + T);  // the tree keys (a window's prefix slots come block by block)
   // The prefix keys each token's rows see: all P, or in a causal chunk of n tokens (b.T), those up to its own.
   const auto seen_prefix = [&](int64_t t) { return causal ? P - b.T + t + 1 : P; };
@@ -390,6 +615,13 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   Acc* qs = w.qs.get();
   for (int64_t r = 0; r < R; ++r) {
     const scalar_t* qr = q + tok[r] * q_strides[0] + qhead[r] * q_strides[1];
+#if defined(TR_ENGINE_AMX)
+    if constexpr (kTileTypes)
+      if (on_tiles) {  // as they are (the scale comes after the sums)
+        std::memcpy(w.qb.get() + r * D, qr, D * sizeof(bf16));
+        continue;
+      }
+#endif
     for (int64_t d = 0; d < D; ++d) qs[r * D + d] = to_float(qr[d]) * log2_scale;
   }
   // The tree keys any row of the task sees, gathered and transposed: ku [D, nup]. The rows are token-major, so each
@@ -405,10 +637,45 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
     if (seen[i]) keys.push_back(i);
   const int64_t nu = static_cast<int64_t>(keys.size()), nup = round_up(nu, kKeyPad), ldt = w.Tp;
   Acc* ku = w.ku.get();
-  for (int64_t d = 0; d < D; ++d) {
-    for (int64_t u = 0; u < nu; ++u) ku[d * nup + u] = b.ktree()[keys[u] * D + d];
-    std::fill(ku + d * nup + nu, ku + (d + 1) * nup, Acc(0));  // padding, zeros (not stale floats: fill_keys says why)
-  }
+  if (!on_tiles)
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t u = 0; u < nu; ++u) ku[d * nup + u] = b.ktree()[keys[u] * D + d];
+      std::fill(ku + d * nup + nu, ku + (d + 1) * nup, Acc(0));  // padding, zeros (not stale floats: fill_keys says why)
+    }
+#if defined(TR_ENGINE_AMX)
+  if constexpr (kTileTypes)
+    if (on_tiles) {  // in HeadKeys' pair layout, from the cache's bf16 (padding: zeros)
+      uint32_t* kup = w.kup.get();
+      const int64_t half = D / 2;
+      for (int64_t u = 0; u < nup; ++u) {
+        uint32_t* dst = kup + u / kKeyPad * half * kKeyPad + u % kKeyPad;
+        const uint32_t* src = u < nu ? reinterpret_cast<const uint32_t*>(k + (P + keys[u]) * ldv) : nullptr;
+        for (int64_t c = 0; c < half; ++c) dst[c * kKeyPad] = src != nullptr ? src[c] : 0u;
+      }
+    }
+#endif
+  // The scores of q's rows against n prefix keys from slot j, and against the gathered tree keys.
+  auto score_prefix = [&](int64_t j, int64_t n, Acc* dst, int64_t ld) {
+#if defined(TR_ENGINE_AMX)
+    if constexpr (kTileTypes)
+      if (on_tiles) {
+        amx_attention::scores(w.qb.get(), D, reinterpret_cast<const uint32_t*>(b.prefix(j)), n, log2_scale,
+                              static_cast<int>(R), dst, ld);
+        return;
+      }
+#endif
+    if constexpr (R <= kRows) prefix_scores<Acc, R>(qs, b, j, n, dst, ld);
+  };
+  auto score_tree = [&](Acc* dst, int64_t ld) {
+#if defined(TR_ENGINE_AMX)
+    if constexpr (kTileTypes)
+      if (on_tiles) {
+        amx_attention::scores(w.qb.get(), D, w.kup.get(), nup, log2_scale, static_cast<int>(R), dst, ld);
+        return;
+      }
+#endif
+    if constexpr (R <= kRows) scores_tile<Acc, R>(qs, D, ku, KeyLayout{kKeyPad, nup}, nup, dst, ld);
+  };
 
   Acc m[R], l[R];  // per row: running max and sum of the softmax
   std::fill(m, m + R, -std::numeric_limits<Acc>::infinity());
@@ -417,9 +684,9 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   std::fill(o, o + R * D, Acc(0));
   Acc* s = w.s.get();
   const scalar_t** value_rows = w.value_rows.data();
-  // Fold rows r0..r1-1 of s (one block: n keys, padded with -inf to width) and the block's n value rows into
-  // (m, l, o).
-  auto absorb = [&](int64_t r0, int64_t r1, int64_t n, int64_t width) {
+  // Fold rows r0..r1-1 of s (one block: n keys, padded with -inf to width) into (m, l), rescale their outputs, and
+  // leave the block's probabilities in s.
+  auto soften = [&](int64_t r0, int64_t r1, int64_t n, int64_t width) {
     for (int64_t r = r0; r < r1; ++r) {
       Acc* sr = s + r * lds;
       std::fill(sr + n, sr + width, -std::numeric_limits<Acc>::infinity());
@@ -442,7 +709,19 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       m[r] = new_max;
       for (int64_t d = 0; d < D; ++d) o[r * D + d] *= correction;
     }
-    values_rows(r1 - r0, s + r0 * lds, lds, value_rows, n, o + r0 * D, D);
+  };
+  // soften, then the block's n value rows (value_rows) into those rows' o.
+  auto absorb = [&](int64_t r0, int64_t r1, int64_t n, int64_t width) {
+    soften(r0, r1, n, width);
+#if defined(TR_ENGINE_AMX)
+    if constexpr (kTileTypes)
+      if (on_tiles) {
+        for (int64_t r = 0; r < R; ++r) w.n[r] = r >= r0 && r < r1 ? n : 0;
+        amx_attention::block_values(s, lds, R, w.n, value_rows, n, nullptr, 0, o, D, w.values());
+        return;
+      }
+#endif
+    if constexpr (R <= kRows) values_rows(r1 - r0, s + r0 * lds, lds, value_rows, n, o + r0 * D, D);
   };
   // Full blocks of prefix keys: the same keys for every row.
   const int64_t full = shared / kKeyBlock * kKeyBlock;
@@ -451,7 +730,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       b.base = j0;
       fill_keys(b, k, ldv, j0, j0 + kKeyBlock);
     }
-    prefix_scores<Acc, R>(qs, b, j0, kKeyBlock, s, lds);
+    score_prefix(j0, kKeyBlock, s, lds);
     for (int64_t j = 0; j < kKeyBlock; ++j) value_rows[j] = v + (j0 + j) * ldv;
     absorb(0, R, kKeyBlock, kKeyBlock);
   }
@@ -464,28 +743,81 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       b.base = full;
       fill_keys(b, k, ldv, full, P);
     }
-    prefix_scores<Acc, R>(qs, b, full, round_up(tail, kKeyPad), s_tail, ldtail);
+    score_prefix(full, round_up(tail, kKeyPad), s_tail, ldtail);
   }
-  if (nu > 0) scores_tile<Acc, R>(qs, D, ku, KeyLayout{kKeyPad, nup}, nup, s_tree, ldt);
+  if (nu > 0) score_tree(s_tree, ldt);
   auto& own = w.own;
-  for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
-    for (r1 = r0 + 1; r1 < R && tok[r1] == tok[r0];) ++r1;  // rows r0..r1-1 are this token's
+  // A token's keys past the full blocks, in order: `mine` prefix keys, then its own tree keys (own: their places in
+  // `keys`); the value row and the scores of row r for the i-th of them.
+  const auto own_keys = [&](int64_t t) {
     own.clear();
     for (int64_t u = 0; u < nu; ++u)
-      if (mask[tok[r0] * T + keys[u]]) own.push_back(u);
+      if (mask[t * T + keys[u]]) own.push_back(u);
+  };
+  const auto value_row = [&](int64_t i, int64_t mine) {
+    return i < mine ? v + (full + i) * ldv : v + (P + keys[own[i - mine]]) * ldv;
+  };
+  const auto score = [&](int64_t r, int64_t i, int64_t mine) {
+    return i < mine ? s_tail[r * ldtail + i] : s_tree[r * ldt + own[i - mine]];
+  };
+#if defined(TR_ENGINE_AMX)
+  if constexpr (kTileTypes)
+    if (on_tiles) {
+      // On the tiles every token's blocks go together: the softmax of each token's rows over its keys, then one
+      // block_values, whose keys up to the last whole pair group inside the prefix tail are every token's (value rows
+      // laid out once for all the task's rows) and the rest each token's own. In a causal chunk every key is a prefix
+      // key, the same for all rows (a row sees fewer of them). Each row gets the bits of its own blocks alone.
+      int64_t longest = 0, common = 0;
+      for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
+        for (r1 = r0 + 1; r1 < R && tok[r1] == tok[r0];) ++r1;
+        own_keys(tok[r0]);
+        const int64_t mine = seen_prefix(tok[r0]) - full;
+        longest = std::max(longest, mine + static_cast<int64_t>(own.size()));
+        common = std::max(common, mine);  // (in a tree every token's)
+      }
+      for (int64_t j0 = 0; j0 < longest; j0 += kKeyBlock) {
+        int64_t shared = std::clamp<int64_t>(common - j0, 0, kKeyBlock);
+        if (!causal) shared = shared / amx_attention::kPairKeys * amx_attention::kPairKeys;
+        for (int64_t j = 0; j < shared; ++j) value_rows[j] = v + (full + j0 + j) * ldv;
+        auto& groups = w.groups;
+        groups.clear();
+        for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
+          for (r1 = r0 + 1; r1 < R && tok[r1] == tok[r0];) ++r1;
+          own_keys(tok[r0]);
+          const int64_t mine = seen_prefix(tok[r0]) - full;
+          const int64_t n = std::clamp<int64_t>(mine + static_cast<int64_t>(own.size()) - j0, 0, kKeyBlock);
+          for (int64_t r = r0; r < r1; ++r) w.n[r] = n;
+          if (n == 0) continue;
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t r = r0; r < r1; ++r) s[r * lds + j] = score(r, j0 + j, mine);
+          soften(r0, r1, n, round_up(n, kKeyPad));
+          const bf16** rows = w.group_rows.data() + groups.size() * kKeyBlock;
+          for (int64_t j = shared; j < n; ++j) rows[j - shared] = value_row(j0 + j, mine);
+          groups.push_back({r0, r1, rows});
+        }
+        amx_attention::block_values(s, lds, R, w.n, value_rows, shared, groups.data(),
+                                    static_cast<int64_t>(groups.size()), o, D, w.values());
+      }
+    }
+#endif
+  for (int64_t r0 = 0, r1; r0 < R && !on_tiles; r0 = r1) {
+    for (r1 = r0 + 1; r1 < R && tok[r1] == tok[r0];) ++r1;  // rows r0..r1-1 are this token's
+    own_keys(tok[r0]);
     const int64_t mine = seen_prefix(tok[r0]) - full;  // this token's prefix keys past the full blocks
     const int64_t length = mine + static_cast<int64_t>(own.size());  // and its tree keys
     for (int64_t j0 = 0; j0 < length; j0 += kKeyBlock) {
       const int64_t n = std::min(kKeyBlock, length - j0);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t i = j0 + j;  // the key's place after the full blocks
-        value_rows[j] = i < mine ? v + (full + i) * ldv : v + (P + keys[own[i - mine]]) * ldv;
-        for (int64_t r = r0; r < r1; ++r)
-          s[r * lds + j] = i < mine ? s_tail[r * ldtail + i] : s_tree[r * ldt + own[i - mine]];
+        value_rows[j] = value_row(j0 + j, mine);
+        for (int64_t r = r0; r < r1; ++r) s[r * lds + j] = score(r, j0 + j, mine);
       }
       absorb(r0, r1, n, round_up(n, kKeyPad));
     }
   }
+#if defined(TR_ENGINE_AMX)
+  if constexpr (kTileTypes)
+    if (on_tiles) _tile_release();
+#endif
   for (int64_t r = 0; r < R; ++r) {
     scalar_t* dst = out + (tok[r] * Hq + qhead[r]) * D;
     const Acc inv = Acc(1) / l[r];
@@ -528,7 +860,12 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
   const bool* mask = s.mask;
   const int64_t slot_stride = s.pos;
   // Tasks: each KV head's G*T query rows (token-major: the G heads of token t are adjacent) in blocks of kRows.
-  const int64_t rows = G * T, blocks = (rows + kRows - 1) / kRows;
+#if defined(TR_ENGINE_AMX)
+  const int64_t task_rows = amx_attention::applies<scalar_t, Acc>(D) ? amx_attention::kTileRows : kRows;
+#else
+  const int64_t task_rows = kRows;
+#endif
+  const int64_t rows = G * T, blocks = (rows + task_rows - 1) / task_rows;
   // A causal chunk of a prompt: its keys as more prefix keys, each row seeing them up to its own (attend_rows); the
   // same bits as a tree, without gathering a task's ancestors (all the earlier tokens) for every task.
   const bool causal = T >= kCausalMin && is_causal(mask, T);
@@ -563,8 +900,8 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
       window.emplace(D, P, T, kKeyBlock, reused<Acc>(HeadKeys<Acc>::size(D, T, kKeyBlock), 1),
                      keys_as_pairs<scalar_t, Acc>(D));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / blocks, r0 = task % blocks * kRows, R = std::min(kRows, rows - r0);
-      int64_t tok[kRows], qhead[kRows];
+      const int64_t h = task / blocks, r0 = task % blocks * task_rows, R = std::min(task_rows, rows - r0);
+      int64_t tok[kTaskRows], qhead[kTaskRows];
       for (int64_t r = 0; r < R; ++r) {
         tok[r] = (r0 + r) / G;
         qhead[r] = h * G + (r0 + r) % G;
@@ -580,7 +917,25 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
         case 3: run(std::integral_constant<int64_t, 3>{}); break;
         case 4: run(std::integral_constant<int64_t, 4>{}); break;
         case 5: run(std::integral_constant<int64_t, 5>{}); break;
-        default: run(std::integral_constant<int64_t, kRows>{}); break;
+        case 6: run(std::integral_constant<int64_t, 6>{}); break;
+        default:
+          if constexpr (kTaskRows > kRows) {  // (amx_attention's tasks: up to 16 rows)
+            switch (R) {
+              case 7: run(std::integral_constant<int64_t, 7>{}); break;
+              case 8: run(std::integral_constant<int64_t, 8>{}); break;
+              case 9: run(std::integral_constant<int64_t, 9>{}); break;
+              case 10: run(std::integral_constant<int64_t, 10>{}); break;
+              case 11: run(std::integral_constant<int64_t, 11>{}); break;
+              case 12: run(std::integral_constant<int64_t, 12>{}); break;
+              case 13: run(std::integral_constant<int64_t, 13>{}); break;
+              case 14: run(std::integral_constant<int64_t, 14>{}); break;
+              case 15: run(std::integral_constant<int64_t, 15>{}); break;
+              default: run(std::integral_constant<int64_t, 16>{}); break;
+            }
+          } else {
+            run(std::integral_constant<int64_t, kRows>{});
+          }
+          break;
       }
     }
   });
