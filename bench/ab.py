@@ -21,7 +21,9 @@ noise.
 
 `--before-tier` and `--after-tier` run a side on a CPU kernel tier of its own (TR_ENGINE_CPU): one checkout against
 itself on two tiers (`--before . --before-tier avx512bf16 --after-tier amx`). Tiers round differently in the last
-bits, so their answers may part; each is exact against its own plain decoding (the tests).
+bits, so their answers may part; each is exact against its own plain decoding (the tests). So may two checkouts whose
+kernels sum in another order: each side's tokens per second are over its own tokens, and `identical` says how many
+answers agree.
 
 `--curve FILE` gives both sides one curve from a file (a cached curve of $TR_ENGINE_HOME/costs/, or one a bad spell
 measured): how each checkout's planning copes with that curve.
@@ -120,16 +122,17 @@ def run(args) -> dict:
                 rows.append({"question_id": q.get("question_id"), "group": group_of(q["category"]),
                              **{f"{s}_s": answers[s]["seconds"] for s in SIDES},
                              **{f"{s}_{k}": answers[s][k] for s in SIDES for k in ("decode_s", "forwards", "verified")},
-                             "tokens": len(answers["after"]["token_ids"]),
+                             **{f"{s}_tokens": len(answers[s]["token_ids"]) for s in SIDES},
                              "identical": answers["before"]["token_ids"] == answers["after"]["token_ids"]})
                 print(f"{dtype} {i + 1}/{len(chosen)} {rows[-1]['group']}: before {rows[-1]['before_s']:.2f}s "
                       f"after {rows[-1]['after_s']:.2f}s", file=sys.stderr)
         finally:
             for w in workers.values():
                 w.close()
-        tokens = sum(r["tokens"] for r in rows)
-        speed = {s: tokens / sum(r[f"{s}_s"] for r in rows) for s in SIDES}
-        ratios = sorted(r["before_s"] / r["after_s"] for r in rows)
+        # Each side's speed over its own tokens: where the two round differently (another tier, a kernel that sums in
+        # another order) their answers part, and the token counts with them.
+        speed = {s: sum(r[f"{s}_tokens"] for r in rows) / sum(r[f"{s}_s"] for r in rows) for s in SIDES}
+        ratios = sorted(r["after_tokens"] / r["after_s"] / (r["before_tokens"] / r["before_s"]) for r in rows)
         # Where a ratio comes from: fewer forwards (a better tree plan) or cheaper ones (faster kernels).
         forwards = {s: sum(r[f"{s}_forwards"] for r in rows) for s in SIDES}
         per_forward_ms = {s: 1e3 * sum(r[f"{s}_decode_s"] for r in rows) / max(forwards[s], 1) for s in SIDES}

@@ -160,7 +160,12 @@ def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
     data = json.loads(out.with_suffix(".json").read_text())["float32"]
     assert data["questions"] == 3 and data["identical"] == 3
     assert [r["question_id"] for r in data["rows"]] == [0, 1, 2]
-    assert all(r["before_s"] > 0 and r["after_s"] > 0 and 1 <= r["tokens"] <= 6 for r in data["rows"])
+    assert all(r["before_s"] > 0 and r["after_s"] > 0 and 1 <= r["after_tokens"] == r["before_tokens"] <= 6
+               for r in data["rows"])
+    # each side's speed over its own tokens (answers part where the sides round differently)
+    for side in ("before", "after"):
+        assert data["tokens_per_s"][side] == pytest.approx(sum(r[f"{side}_tokens"] for r in data["rows"]) /
+                                                           sum(r[f"{side}_s"] for r in data["rows"]))
     # the split of the ratio: forwards summed over the questions, each forward verifying at least its root
     for side in ("before", "after"):
         assert data["forwards"][side] == sum(r[f"{side}_forwards"] for r in data["rows"]) > 0
