@@ -82,9 +82,9 @@ def runnable_cpu_tiers() -> list[str]:
 CPU_TIERS = runnable_cpu_tiers()
 # Where avx512bf16 runs, avx512 is its code but for the bf16 matmuls (linear.h: the widened pairs pass in AVX-512
 # tiles, which no other tier runs, where avx512bf16 takes bf16 dot products); where amx runs, avx512bf16 is its code
-# but for the bf16 matmuls (amx's on the tiles). A kernel test runs on every tier but those duplicates, and on them
-# too in the modules that set EVERY_TIER = True (the matmuls' and what calls them): the rest a third time would add
-# about 30 s to make test.
+# but for the bf16 matmuls and attention (amx's on the tiles). A kernel test runs on every tier but those duplicates,
+# and on them too in the modules that set EVERY_TIER = True (the matmuls', the attention's and what calls them): the
+# rest a third time would add about 30 s to make test.
 DUPLICATE_OF = {"avx512": "avx512bf16", "avx512bf16": "amx"}
 KERNEL_TEST_TIERS = [t for t in CPU_TIERS if DUPLICATE_OF.get(t) not in CPU_TIERS]
 

@@ -9,8 +9,10 @@ from tr_engine.model import reference
 from tr_engine.model.ops import load_ops
 
 kernels = load_ops("kernels")
-# Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier).
+# Every test here runs once per CPU kernel tier this machine can run (conftest.cpu_tier), avx512bf16 too where amx
+# runs: amx's bf16 attention is on the tiles, avx512bf16's in vectors.
 pytestmark = pytest.mark.usefixtures("cpu_tier")
+EVERY_TIER = True
 
 
 def random_tree_mask(T: int, g: torch.Generator) -> torch.Tensor:

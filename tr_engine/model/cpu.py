@@ -40,7 +40,7 @@ TIERS = (
     Tier("amx", "x86_64", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma",
                            "-mf16c", "-mamx-tile", "-mamx-bf16"),
          _AVX512 + ("avx512bf16", "amx_tile", "amx_bf16") + _AVX2,
-         "avx512bf16 with bf16 matmuls on AMX's tiles (Intel Sapphire Rapids and later)"),
+         "avx512bf16 with bf16 matmuls and attention on AMX's tiles (Intel Sapphire Rapids and later)"),
     Tier("avx512bf16", "x86_64", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2",
                                   "-mfma", "-mf16c"), _AVX512 + ("avx512bf16",) + _AVX2,
          "AVX-512 with bf16 dot products (AMD Zen 4 and later, Intel Sapphire Rapids and later)"),

@@ -906,37 +906,12 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
         tok[r] = (r0 + r) / G;
         qhead[r] = h * G + (r0 + r) % G;
       }
-      auto run = [&](auto rows_const) {
+      // Each row count a kernel of its own (up to 16 rows where amx_attention applies, kRows elsewhere).
+      with_rows<kTaskRows>(static_cast<int>(R), [&](auto rows_const) {
         attend_rows<scalar_t, Acc, decltype(rows_const)::value>(
             qp, q_strides, log2_scale, windowed ? *window : heads[h], windowed, kp + h * s.head, vp + h * s.head,
             slot_stride, mask, tok, qhead, scratch, op, Hq, causal);
-      };
-      switch (R) {
-        case 1: run(std::integral_constant<int64_t, 1>{}); break;
-        case 2: run(std::integral_constant<int64_t, 2>{}); break;
-        case 3: run(std::integral_constant<int64_t, 3>{}); break;
-        case 4: run(std::integral_constant<int64_t, 4>{}); break;
-        case 5: run(std::integral_constant<int64_t, 5>{}); break;
-        case 6: run(std::integral_constant<int64_t, 6>{}); break;
-        default:
-          if constexpr (kTaskRows > kRows) {  // (amx_attention's tasks: up to 16 rows)
-            switch (R) {
-              case 7: run(std::integral_constant<int64_t, 7>{}); break;
-              case 8: run(std::integral_constant<int64_t, 8>{}); break;
-              case 9: run(std::integral_constant<int64_t, 9>{}); break;
-              case 10: run(std::integral_constant<int64_t, 10>{}); break;
-              case 11: run(std::integral_constant<int64_t, 11>{}); break;
-              case 12: run(std::integral_constant<int64_t, 12>{}); break;
-              case 13: run(std::integral_constant<int64_t, 13>{}); break;
-              case 14: run(std::integral_constant<int64_t, 14>{}); break;
-              case 15: run(std::integral_constant<int64_t, 15>{}); break;
-              default: run(std::integral_constant<int64_t, 16>{}); break;
-            }
-          } else {
-            run(std::integral_constant<int64_t, kRows>{});
-          }
-          break;
-      }
+      });
     }
   });
 }

@@ -109,15 +109,6 @@ constexpr int kManyRows = 3;
 template <typename T>
 constexpr int64_t pack_width() { return std::is_same_v<T, bf16> ? 2 : 1; }
 
-// f(std::integral_constant<int, rows>) for rows in 1..kMax: each row count a kernel of its own.
-template <int kMax, int R = 1, typename F>
-void with_rows(int rows, F&& f) {
-  if constexpr (R < kMax) {
-    if (rows != R) return with_rows<kMax, R + 1>(rows, f);
-  }
-  f(std::integral_constant<int, R>{});
-}
-
 // y[r, c0 + i] for the tile's R rows and V vectors of outputs, columns from `valid` on left alone.
 template <int R, int V, typename T>
 void store_tile(const Vec (&acc)[R][V], T* y, int64_t ldy, int c0, int valid) {

@@ -15,8 +15,10 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
-// The amx tier is the avx512bf16 tier's code but for its bf16 matmuls, which run on AMX's tiles (linear.h).
+// The amx tier is the avx512bf16 tier's code but for its bf16 matmuls and attention, which run on AMX's tiles
+// (linear.h, attention.h).
 #if defined(TR_ENGINE_TIER_AMX)
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
 #error "the amx tier needs -mamx-tile -mamx-bf16"
@@ -36,10 +38,19 @@
 namespace tr_engine_cpu {
 
 #if defined(TR_ENGINE_AMX)
-constexpr bool kAmx = true;  // bf16 matmuls on AMX's tiles (linear.h's amx_rows)
+constexpr bool kAmx = true;  // bf16 matmuls and attention on AMX's tiles (linear.h's amx, attention.h's amx_attention)
 #else
 constexpr bool kAmx = false;
 #endif
+
+// f(std::integral_constant<int, rows>) for rows in 1..kMax: each row count a kernel of its own.
+template <int kMax, int R = 1, typename F>
+void with_rows(int rows, F&& f) {
+  if constexpr (R < kMax) {
+    if (rows != R) return with_rows<kMax, R + 1>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
 
 // Ask for the cache line at p into L2 (prefetcht1 on x86, PRFM PLDL2KEEP on ARM): a hint, never a fault.
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }
