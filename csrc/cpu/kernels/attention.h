@@ -1,7 +1,7 @@
 // The attention of a verify step (tree_attention and its batch form), written once over simd.h's Vec: each of the T
 // tree tokens attends to every cached prefix key and to its own ancestors in the tree. A task is 6 query rows of one
-// KV head (the G query heads that share it, for one or more tokens), and all scores and outputs run through the same
-// register-tiled micro-GEMMs:
+// KV head (the G query heads that share it, for one or more tokens; 16 on the amx tier's bf16 heads, amx_attention),
+// and all scores and outputs run through the same register-tiled micro-GEMMs (or AMX's tiles):
 //  - whole blocks of prefix keys need no mask: scores against all their keys, read once for the task's rows;
 //  - the tree part is sparse (a token sees depth + 1 of the T tree keys): the task gathers just the union of its
 //    tokens' ancestors (a dozen keys, not T), and each token's rows pick theirs out of those scores.
