@@ -607,7 +607,8 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
 #else
   constexpr bool on_tiles = false;
 #endif
-  if (windowed) fill_keys(b, k, ldv, P, P + T);  // the tree keys (a window's prefix slots come block by block)
+  // The tree keys as floats (a window's prefix slots come block by block); the tiles read them from the cache.
+  if (windowed && !on_tiles) fill_keys(b, k, ldv, P, P + T);
   // The prefix keys each token's rows see: all P, or in a causal chunk of n tokens (b.T), those up to its own.
   const auto seen_prefix = [&](int64_t t) { return causal ? P - b.T + t + 1 : P; };
   const int64_t shared = seen_prefix(tok[0]), last = seen_prefix(tok[R - 1]);  // (rows are token-major)
@@ -747,6 +748,12 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   }
   if (nu > 0) score_tree(s_tree, ldt);
   auto& own = w.own;
+  // The end of the rows from r0 that are one token's (rows are token-major).
+  const auto token_end = [&](int64_t r0) {
+    int64_t r1 = r0 + 1;
+    while (r1 < R && tok[r1] == tok[r0]) ++r1;
+    return r1;
+  };
   // A token's keys past the full blocks, in order: `mine` prefix keys, then its own tree keys (own: their places in
   // `keys`); the value row and the scores of row r for the i-th of them.
   const auto own_keys = [&](int64_t t) {
@@ -768,8 +775,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       // laid out once for all the task's rows) and the rest each token's own. In a causal chunk every key is a prefix
       // key, the same for all rows (a row sees fewer of them). Each row gets the bits of its own blocks alone.
       int64_t longest = 0, common = 0;
-      for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
-        for (r1 = r0 + 1; r1 < R && tok[r1] == tok[r0];) ++r1;
+      for (int64_t r0 = 0; r0 < R; r0 = token_end(r0)) {
         own_keys(tok[r0]);
         const int64_t mine = seen_prefix(tok[r0]) - full;
         longest = std::max(longest, mine + static_cast<int64_t>(own.size()));
@@ -782,7 +788,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
         auto& groups = w.groups;
         groups.clear();
         for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
-          for (r1 = r0 + 1; r1 < R && tok[r1] == tok[r0];) ++r1;
+          r1 = token_end(r0);
           own_keys(tok[r0]);
           const int64_t mine = seen_prefix(tok[r0]) - full;
           const int64_t n = std::clamp<int64_t>(mine + static_cast<int64_t>(own.size()) - j0, 0, kKeyBlock);
@@ -801,7 +807,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
     }
 #endif
   for (int64_t r0 = 0, r1; r0 < R && !on_tiles; r0 = r1) {
-    for (r1 = r0 + 1; r1 < R && tok[r1] == tok[r0];) ++r1;  // rows r0..r1-1 are this token's
+    r1 = token_end(r0);  // rows r0..r1-1 are this token's
     own_keys(tok[r0]);
     const int64_t mine = seen_prefix(tok[r0]) - full;  // this token's prefix keys past the full blocks
     const int64_t length = mine + static_cast<int64_t>(own.size());  // and its tree keys
