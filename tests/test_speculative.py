@@ -347,11 +347,10 @@ def test_smollm2_half_speculative_decoding_is_bitwise_lossless(smollm2_half, tmp
 
 def test_generate_command_methods_agree_and_matrix_round_trips(markov_folder, tmp_path):
     """The command line: every method prints plain decoding's tokens, the drafting ones in fewer steps (the Markov
-    model, where drafting pays on any machine: tr's adaptive tree, priced by the curve measured here and its matrix
-    empty at first, 1.7-2.0 tokens a step from run to run, prompt lookup 2.8), and tr saves its matrix. On one
-    thread: two threads beside a busy neighbour (the other test worker) wait on each other at every kernel's barrier,
-    the bigger verifies most, and 1 run in 4 timed drafting out altogether (1.04 tokens a step; one thread, beside
-    one or two CPU hogs: 1.74-1.96)."""
+    model, where drafting pays on any machine), and tr saves its matrix. tr runs the paper's static tree (--tree
+    2.2.2), so how far it drafts depends on the model and the matrix alone (3.6 tokens a step, its matrix empty at
+    first; prompt lookup 2.8): the adaptive tree's size follows the verify cost measured on this machine, and beside a
+    busy neighbour that curve can price drafting nearly out (1.38 tokens a step in one CI run; 1.7-2.0 mostly)."""
     import json
 
     from cli import call_main
@@ -362,12 +361,13 @@ def test_generate_command_methods_agree_and_matrix_round_trips(markov_folder, tm
     matrix = tmp_path / "matrix.pt"
     outputs = {}
     for method in ["ar", "tr", "pld"]:  # (the command's main() in this process, each run afresh)
+        tree = ["--tree", "2.2.2"] if method == "tr" else []
         proc = call_main(generate.main, "--model", folder, "--prompt", "hello hello hello", "--max-new-tokens", "48",
-                         "--method", method, "--json", "--matrix", str(matrix), "--threads", "1")
+                         "--method", method, "--json", "--matrix", str(matrix), "--threads", "1", *tree)
         assert proc.returncode == 0, proc.stderr
         outputs[method] = json.loads(proc.stdout)
     assert outputs["tr"]["token_ids"] == outputs["ar"]["token_ids"] == outputs["pld"]["token_ids"]
-    assert outputs["tr"]["mean_accepted_tokens"] > 1.4 and outputs["pld"]["mean_accepted_tokens"] > 2.0
+    assert outputs["tr"]["mean_accepted_tokens"] > 3.0 and outputs["pld"]["mean_accepted_tokens"] > 2.0
     assert outputs["ar"]["mean_accepted_tokens"] == 1.0 and matrix.is_file()
     table = torch.load(matrix, weights_only=True)["table"]
     assert table.shape[1] == 8 and table.any()  # the matrix learned something and was saved
