@@ -178,9 +178,12 @@ def test_a_tree_row_is_bitwise_its_decode_step(dtype, P, heads, D):
 def test_a_causal_chunk_row_is_bitwise_its_decode_step(dtype, P, heads, D):
     """A prompt's chunk (a causal mask, attended as a prefix each row sees up to itself): each row is the decode step
     at its position, across 256-key blocks and with the rows of one task on both sides of a block's end, so a prompt
-    prefilled whole, in chunks or token by token caches the same bits (what prefix reuse relies on)."""
+    prefilled whole, in chunks or token by token caches the same bits (what prefix reuse relies on). The cache's slots
+    past the chunk hold NaN: no key or value past it may reach a sum (AMX's tiles read the values in key pairs laid
+    out for a whole head, padded with zeros to 32 keys)."""
     T = 300
     q, k, v, g = operands(T, P, *heads, D, dtype, seed=P + 7, S=P + T + 5)
+    k[:, P + T :] = v[:, P + T :] = float("nan")
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     got = kernels.tree_attention(q, k, v, P, causal, 0.125)
     one = torch.ones(1, 1, dtype=torch.bool)
