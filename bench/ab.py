@@ -137,7 +137,10 @@ def run(args) -> dict:
         forwards = {s: sum(r[f"{s}_forwards"] for r in rows) for s in SIDES}
         per_forward_ms = {s: 1e3 * sum(r[f"{s}_decode_s"] for r in rows) / max(forwards[s], 1) for s in SIDES}
         verified = {s: sum(r[f"{s}_verified"] for r in rows) / max(forwards[s], 1) for s in SIDES}
+        # The prompts' prefill (a question's seconds less its decode's): the same prompts on both sides.
+        prefill = {s: sum(r[f"{s}_s"] - r[f"{s}_decode_s"] for r in rows) for s in SIDES}
         out[dtype] = {"rows": rows, "tokens_per_s": speed, "speed_ratio": speed["after"] / speed["before"],
+                      "prefill_s": prefill,
                       "curves": {s: workers[s].curve for s in SIDES}, "forwards": forwards,
                       "tiers": {s: workers[s].tier for s in SIDES},
                       "per_forward_ms": per_forward_ms, "verified_per_forward": verified,
@@ -189,8 +192,8 @@ def write(path: Path, data: dict, info: dict, args) -> str:
                 else "a cost curve it measured at its start."), "",
              "| dtype | before tok/s | after tok/s | after/before | per-question median (min-max) | identical "
              "| forwards before/after | ms per forward before/after | tokens verified per forward before/after "
-             "| an 8-token verify in plain steps before/after |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| an 8-token verify in plain steps before/after | prefill seconds before/after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for dtype, d in data.items():
         lines.append(f"| {dtype} | {d['tokens_per_s']['before']:.2f} | {d['tokens_per_s']['after']:.2f} | "
                      f"{d['speed_ratio']:.3f}x | {d['median_ratio']:.3f}x ({d['ratio_range'][0]:.2f}-"
@@ -198,7 +201,8 @@ def write(path: Path, data: dict, info: dict, args) -> str:
                      f"{d['forwards']['before']}/{d['forwards']['after']} | {d['per_forward_ms']['before']:.2f}/"
                      f"{d['per_forward_ms']['after']:.2f} | {d['verified_per_forward']['before']:.2f}/"
                      f"{d['verified_per_forward']['after']:.2f} | {price(d['curves']['before'], 8)}/"
-                     f"{price(d['curves']['after'], 8)} |")
+                     f"{price(d['curves']['after'], 8)} | {d['prefill_s']['before']:.2f}/"
+                     f"{d['prefill_s']['after']:.2f} |")
     meta = {"before": before, "after": after, "method": args.method, "shared_curve": args.shared_curve,
             "curve": str(args.curve) if args.curve else None,
             "max_new_tokens": args.max_new_tokens, "threads": args.threads}

@@ -171,6 +171,9 @@ def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
         assert data["forwards"][side] == sum(r[f"{side}_forwards"] for r in data["rows"]) > 0
         assert all(r[f"{side}_verified"] >= r[f"{side}_forwards"] for r in data["rows"])
         assert data["curves"][side]["relative"][0][0] == 1.0  # each side's curve, in its plain steps
+        # and the prompts' prefill apart from the decode (a change to prompt chunks shows there)
+        assert data["prefill_s"][side] == pytest.approx(sum(r[f"{side}_s"] - r[f"{side}_decode_s"]
+                                                            for r in data["rows"])) and data["prefill_s"][side] > 0
     assert "| float32 |" in out.with_suffix(".md").read_text() and "3/3 |" in proc.stdout
     # with --shared-curve both sides plan from the after side's curve
     proc = run_module("bench.ab", "--before", repo, "--after", repo, "--model", str(tiny_factory("bench-ab")),
