@@ -173,8 +173,10 @@ def test_a_tree_row_is_bitwise_its_decode_step(dtype, P, heads, D):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("P", [0, 250, 511])
-@pytest.mark.parametrize("heads,D", [((9, 3), 64), ((4, 4), 64)], ids=["gqa9x3", "mha4"])
+@pytest.mark.parametrize("P,heads,D", [(P, heads, 64) for heads in ((9, 3), (4, 4)) for P in (0, 250, 511)]
+                         + [(250, (4, 2), 128)],  # (128 dims: two 64-dim chunks of the tiles' value pairs)
+                         ids=[f"{name}-{P}" for name in ("gqa9x3", "mha4") for P in (0, 250, 511)]
+                         + ["gqa4x2-d128-250"])
 def test_a_causal_chunk_row_is_bitwise_its_decode_step(dtype, P, heads, D):
     """A prompt's chunk (a causal mask, attended as a prefix each row sees up to itself): each row is the decode step
     at its position, across 256-key blocks and with the rows of one task on both sides of a block's end, so a prompt
