@@ -26,14 +26,27 @@ namespace tr_engine_cpu {
 
 // out[t] = w * round(x[t] / rms(x[t])), each row alone: RMSNorm as the module computes it (the half types normalise
 // in float and round once before the weight's multiply; float stays float). The sum of squares runs in 16 lanes
-// (element i into lane i % 16), then the lanes in order: a fixed order that the compiler vectorises. out is
-// [rows, ldo]: columns E..ldo-1 (the matmul's padding to its column pairs) are zeros.
+// (element i into lane i % 16: a multiply and an add each), then the lanes in order: a fixed order, on every tier the
+// same sums. out is [rows, ldo]: columns E..ldo-1 (the matmul's padding to its column pairs) are zeros.
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t ldo, int64_t rows, int64_t E, float eps) {
   for (int64_t t = 0; t < rows; ++t) {
     const T* xr = x + t * E;
     float lane[16] = {};
     int64_t i = 0;
+    if constexpr (!std::is_same_v<T, double>) {
+      // The 16 lanes as 16 / kLanes vectors side by side (written as the scalar loop below, the compiler kept them
+      // scalar for the 16-bit types: 5% of a prompt chunk's bf16 forward); what the vectors leave, that loop.
+      constexpr int kParts = 16 / kLanes;
+      Vec acc[kParts];
+      for (int a = 0; a < kParts; ++a) acc[a] = zero();
+      for (; i + 16 <= E; i += 16)
+        for (int a = 0; a < kParts; ++a) {
+          const Vec v = load(xr + i + a * kLanes);
+          acc[a] = add(acc[a], mul(v, v));
+        }
+      for (int a = 0; a < kParts; ++a) store(lane + a * kLanes, acc[a]);
+    }
     for (; i + 16 <= E; i += 16)
       for (int l = 0; l < 16; ++l) {
         const float v = to_float(xr[i + l]);
