@@ -746,8 +746,12 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
     }
   };
 #if defined(TR_ENGINE_AMX)
-  // The head's values as the tiles read them, if its tasks share one layout (from slot j on).
+  // The head's values as the tiles read them, if its tasks share one layout (from slot j on); then the prefix's value
+  // rows are not listed for block_values (value_rows), which would not read them.
   const auto laid = [&](int64_t j) { return amx_attention::HeadValues{laid_values, laid_chunk}.from(j); };
+  const bool prefix_laid = on_tiles && laid_values != nullptr;
+#else
+  constexpr bool prefix_laid = false;
 #endif
   // soften, then the block's n value rows (value_rows, from prefix slot `slot`) into those rows' o.
   auto absorb = [&](int64_t r0, int64_t r1, int64_t n, int64_t width, int64_t slot) {
@@ -760,7 +764,6 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
         return;
       }
 #endif
-    (void)slot;
     if constexpr (R <= kRows) values_rows(r1 - r0, s + r0 * lds, lds, value_rows, n, o + r0 * D, D);
   };
   // Full blocks of prefix keys: the same keys for every row.
@@ -771,7 +774,8 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       fill_keys(b, k, ldv, j0, j0 + kKeyBlock);
     }
     score_prefix(j0, kKeyBlock, s, lds);
-    for (int64_t j = 0; j < kKeyBlock; ++j) value_rows[j] = v + (j0 + j) * ldv;
+    if (!prefix_laid)
+      for (int64_t j = 0; j < kKeyBlock; ++j) value_rows[j] = v + (j0 + j) * ldv;
     absorb(0, R, kKeyBlock, kKeyBlock, j0);
   }
   // The rest: the prefix tail's and the tree keys' scores for all rows, then each token's blocks.
@@ -829,7 +833,8 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       for (int64_t j0 = 0; j0 < longest; j0 += kKeyBlock) {
         int64_t shared = std::clamp<int64_t>(common - j0, 0, kKeyBlock);
         if (!causal) shared = shared / amx_attention::kPairKeys * amx_attention::kPairKeys;
-        for (int64_t j = 0; j < shared; ++j) value_rows[j] = v + (full + j0 + j) * ldv;
+        if (!prefix_laid)
+          for (int64_t j = 0; j < shared; ++j) value_rows[j] = v + (full + j0 + j) * ldv;
         auto& groups = w.groups;
         groups.clear();
         for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
