@@ -941,6 +941,7 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
     laid = reused<uint32_t>(Hkv * D / 64 * laid_chunk, 0);
   }
 #endif
+  const auto laid_head = [&](int64_t h) { return laid != nullptr ? laid + h * D / 64 * laid_chunk : nullptr; };
   if (!windowed) {
     heads.reserve(Hkv);
     const int64_t keys = causal ? P + T : P, tree = causal ? 0 : T;
@@ -958,7 +959,7 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
         if constexpr (std::is_same_v<scalar_t, bf16>)
           if (laid != nullptr && j0 < laid_np)
             amx_attention::lay_values(vp + h * s.head, slot_stride, laid_keys, j0, std::min(j0 + kFillBlock, laid_np),
-                                      D, laid + h * D / 64 * laid_chunk, laid_chunk);
+                                      D, laid_head(h), laid_chunk);
 #endif
       }
     });
@@ -991,7 +992,7 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
         attend_rows<scalar_t, Acc, decltype(rows_const)::value>(
             qp, q_strides, log2_scale, windowed ? *window : heads[h], windowed, kp + h * s.head, vp + h * s.head,
             slot_stride, mask, tok, qhead, scratch, op, Hq, causal,
-            laid != nullptr ? laid + h * D / 64 * laid_chunk : nullptr, laid_chunk);
+            laid_head(h), laid_chunk);
       });
     }
   });
