@@ -6,12 +6,6 @@ import os
 import signal
 from typing import NamedTuple
 
-import pytest
-import torch
-
-from curves import pinned
-from weights_tools.tiny_llama import write_tiny_llama
-
 # `make test` runs one test worker per CPU (pytest-xdist): each worker, and each command it starts (OMP_NUM_THREADS),
 # runs on its share of the CPUs, so that two workers never fight over a core (and a command keys its cost curve by the
 # same thread count as the worker's engines: default_model_curve). The kernel tests run on two threads whatever the
@@ -20,6 +14,19 @@ CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = min(2, max(1, CPUS // WORKERS))
 os.environ["OMP_NUM_THREADS"] = str(THREADS)
+# Where those two threads outnumber the worker's share, a thread that reaches the end of a parallel region first would
+# spin (OpenMP's default) on a core that the other worker needs, while its partner waits for that very core: the kernel
+# tests ran 7-10x slower beside a busy core (the attention's row tests 84-100 s against 13 s passive; ~2 minutes of
+# the suite's 7). Waiting threads sleep instead. Read by the OpenMP runtime when it loads, with torch: set before.
+if CPUS // WORKERS < 2:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from curves import pinned  # noqa: E402
+from weights_tools.tiny_llama import write_tiny_llama  # noqa: E402
+
 torch.set_num_threads(THREADS)
 # Weights in ordinary pages (csrc/cpu/packed_linear.cpp): on this project's VMs a huge page costs ~15 ms at its first
 # touch, 3-6 s of every load of the default model, and the suite loads it dozens of times. (Read by the op library at
