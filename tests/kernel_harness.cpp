@@ -41,7 +41,7 @@ void two_threads(int64_t begin, int64_t end, int64_t grain, ParallelBody body, v
   body(ctx, begin, mid);
   other.join();
 }
-const Host kHost{&two_threads};
+const Host kHost{&two_threads, [] { return 2; }};
 
 std::mt19937 rng(1234);
 float uniform() { return std::uniform_real_distribution<float>(-1.f, 1.f)(rng); }
@@ -141,9 +141,10 @@ void matmuls(const Kernels& table, const char* name) {
 // Hq query heads over Hkv KV heads: a decode step's rows are a task of G = Hq / Hkv rows, a verify's tasks hold 6.
 template <typename T>
 void attention(const Kernels& table, const char* name, int64_t Hq, int64_t Hkv) {
-  // A chain from 250 cached keys across the 256-key softmax block (attention.h) and a head dim of 40 (vector columns
-  // and single ones).
-  const int64_t D = 40, S = 300, P = 250, Tn = 24, G = Hq / Hkv;
+  // A chain from 760 cached keys across the 768th key, where a row's keys go from 3 softmax blocks of 256 to 4 and
+  // their halves from 256 + the rest to 512 + the rest (attention.h, split_point), and a head dim of 40 (vector columns
+  // and single ones). With 3 KV heads on the harness's 2 threads, a decode step's heads go as two tasks each.
+  const int64_t D = 40, S = 800, P = 760, Tn = 24, G = Hq / Hkv;
   const auto kv = random<T>(2 * Hkv * S * D), q = random<T>(Tn * Hq * D);
   const T* k = kv.data();
   const T* v = kv.data() + Hkv * S * D;
@@ -355,7 +356,7 @@ int main(int argc, char** argv) {
   matmuls<float>(table, "float32");
   matmuls<bf16>(table, "bfloat16");
   matmuls<f16>(table, "float16");
-  for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{6, 2}, {4, 4}}) {  // grouped-query, and multi-head (G = 1)
+  for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{6, 3}, {4, 4}}) {  // grouped-query, and multi-head (G = 1)
     attention<float>(table, "float32", Hq, Hkv);
     attention<bf16>(table, "bfloat16", Hq, Hkv);
     attention<f16>(table, "float16", Hq, Hkv);

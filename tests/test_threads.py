@@ -149,21 +149,22 @@ def test_one_two_or_three_threads_compute_the_same_bits(tiny_factory, dtype, cpu
     """Every CPU kernel splits its work by outputs, never inside a sum, so the thread count the load sets changes
     nothing: a prompt, a decode step and an 8-token chunk give the same logits and K/V on 1, 2 and 3 threads (3 on
     fewer cores: other splits), on every CPU kernel tier. The model is wide enough that every op splits (its blocks
-    of 32 outputs, its heads and row blocks)."""
-    folder = tiny_factory("threads", dtype=torch.bfloat16, vocab_size=1000, hidden_size=256, intermediate_size=704,
-                          num_heads=8, num_kv_heads=2, std=0.5)
+    of 32 outputs, its heads and row blocks), and its 3 KV heads of 64 dims past two blocks of 256 keys make the
+    attention give a head's halves to two tasks on 2 threads, not on 1 or 3 (attention.h, split_point)."""
+    folder = tiny_factory("threads", dtype=torch.bfloat16, vocab_size=1000, hidden_size=384, intermediate_size=704,
+                          num_heads=6, num_kv_heads=3, std=0.5)
     model = load_model(folder, dtype)
-    ids = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(5))
-    model.set_max_positions(160)
+    ids = torch.randint(0, model.config.vocab_size, (600,), generator=torch.Generator().manual_seed(5))
+    model.set_max_positions(610)
     runs, before = [], torch.get_num_threads()
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            cache = KVCache(model.config, 160, dtype, "cpu")
+            cache = KVCache(model.config, 610, dtype, "cpu")
             with torch.inference_mode():
                 logits = torch.cat([model(ids[a:b], torch.arange(a, b), cache.data, a)
-                                    for a, b in ((0, 141), (141, 142), (142, 150))])
-            runs.append((logits, cache.data[:, :, :, :150].clone()))
+                                    for a, b in ((0, 591), (591, 592), (592, 600))])
+            runs.append((logits, cache.data[:, :, :, :600].clone()))
     finally:
         torch.set_num_threads(before)
     for logits, kv in runs[1:]:

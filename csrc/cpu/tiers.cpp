@@ -28,7 +28,9 @@ namespace {
 void host_parallel_for(int64_t begin, int64_t end, int64_t grain, ParallelBody body, void* ctx) {
   at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { body(ctx, b, e); });
 }
-const Host kHost{&host_parallel_for};
+// The threads a parallel_for called here would run on: 1 inside another's region (which runs it serially).
+int host_threads() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
+const Host kHost{&host_parallel_for, &host_threads};
 
 std::atomic<const Kernels*> active{nullptr};
 

@@ -13,7 +13,7 @@ namespace tr_engine_cpu {
 
 // Raised whenever this file changes what a table holds: the op library refuses a tier library of another version
 // (a stale build) instead of calling through a table it would misread.
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 
 // Output rows per block of a packed weight (pack_linear's layout, the same on every tier).
 constexpr int64_t kPackBlock = 32;
@@ -94,10 +94,13 @@ struct TypedKernels {
 };
 
 // What the op library lends a tier: its thread pool. parallel_for(begin, end, grain, body, ctx) calls
-// body(ctx, b, e) on disjoint chunks covering [begin, end), as at::parallel_for does (whose pool it is).
+// body(ctx, b, e) on disjoint chunks covering [begin, end), as at::parallel_for does (whose pool it is); threads() is
+// how many threads a parallel_for called there would run on (1 inside another's region), which a kernel may split its
+// work by (never its sums).
 using ParallelBody = void (*)(void* ctx, int64_t begin, int64_t end);
 struct Host {
   void (*parallel_for)(int64_t begin, int64_t end, int64_t grain, ParallelBody body, void* ctx);
+  int (*threads)();
 };
 
 struct Kernels {

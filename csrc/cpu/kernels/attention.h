@@ -5,9 +5,10 @@
 //  - whole blocks of prefix keys need no mask: scores against all their keys, read once for the task's rows;
 //  - the tree part is sparse (a token sees depth + 1 of the T tree keys): the task gathers just the union of its
 //    tokens' ancestors (a dozen keys, not T), and each token's rows pick theirs out of those scores.
-// No [T, P + T] mask is ever built. Softmax runs in float (double for float64 inputs). The kernel is row-independent:
-// a row's bits depend only on its query and the keys it sees (attend_rows says how), so a verify step reproduces
-// plain decoding exactly, in bfloat16 too.
+// No [T, P + T] mask is ever built. Softmax runs in float (double for float64 inputs), over a row's keys in two halves
+// merged at its end where they are more than one block (split_point), so that a decode step's head can be two tasks.
+// The kernel is row-independent: a row's bits depend only on its query and the keys it sees (attend_rows says how), so
+// a verify step reproduces plain decoding exactly, in bfloat16 too.
 #pragma once
 
 #include "api.h"
@@ -54,6 +55,44 @@ inline float exp2_nonpositive(float x) {
   return x < -126.0f ? 0.f : p;
 }
 inline double exp2_nonpositive(double x) { return std::exp2(x); }
+
+// A row that sees more than two blocks of keys (kKeyBlock) takes its softmax in two halves: the keys before
+// split_point(n) of its n, and the rest, each folded block by block from a fresh start, then merged (merge_halves). The
+// split is a function of the row's own key count, wherever the row is computed, so a task may fold both halves (a
+// verify's rows, a prompt's) or give them to two tasks on two threads (a decode step's head, whose single task would
+// otherwise be the unit the threads share: SmolLM2's 3 KV heads on 2 threads left one idle a third of the time), with
+// the same bits. 0: two blocks or fewer, no halves (a second half of a few keys would balance nothing, and each merge
+// costs: a 32-token verify's attention at prefix 300 took 5% longer with halves from 257 keys on).
+inline int64_t split_point(int64_t n) {
+  const int64_t blocks = (n + kKeyBlock - 1) / kKeyBlock;
+  return blocks >= 3 ? blocks / 2 * kKeyBlock : 0;
+}
+
+// Which of a row's halves a task folds: both (merged at its end), or one of them (left unmerged, for merge_rows).
+enum class Half { kBoth, kFirst, kSecond };
+
+// The softmax state of the first half (m1, l1, o1) merged into the second's (m2, l2, o2): each half's sums rescaled to
+// the larger maximum. One compiled body for every caller (noinline): a merge inside a task and one after two tasks
+// must give the same bits.
+template <typename Acc>
+__attribute__((noinline)) void merge_halves(Acc m1, Acc l1, const Acc* o1, Acc& m2, Acc& l2, Acc* o2, int64_t D) {
+  const Acc m = std::max(m1, m2), c1 = exp2_nonpositive(m1 - m), c2 = exp2_nonpositive(m2 - m);
+  l2 = l1 * c1 + l2 * c2;
+  for (int64_t d = 0; d < D; ++d) o2[d] = o1[d] * c1 + o2[d] * c2;
+  m2 = m;
+}
+
+// A row's output: its weighted values o over the softmax's sum l, in the row's dtype.
+template <typename scalar_t, typename Acc>
+void finish_row(const Acc* o, Acc l, scalar_t* dst, int64_t D) {
+  const Acc inv = Acc(1) / l;
+  for (int64_t d = 0; d < D; ++d) {
+    if constexpr (std::is_same_v<Acc, double>)
+      dst[d] = o[d] * inv;
+    else
+      dst[d] = from_float<scalar_t>(o[d] * inv);
+  }
+}
 
 // Keys transposed, so that a score tile's innermost loop runs along keys (one broadcast of q[r, d] times a vector of
 // keys), in groups of kKeyPad keys: dim d of key j at kt[(j / kKeyPad) * group + d * dim + j % kKeyPad]. A prefix's
@@ -552,9 +591,10 @@ void fill_keys(HeadKeys<Acc>& b, const scalar_t* k, int64_t slot_stride, int64_t
 template <typename scalar_t, typename Acc>
 struct TaskScratch {
   int64_t Tp;                           // T rounded up to kKeyPad
-  Aligned<Acc> qs, s, s_tail, s_tree, ku, o;
+  Aligned<Acc> qs, s, s_tail, s_tree, ku, o, o_first;
   // [R, D] scaled queries; [R, kKeyBlock] one block's scores; [R, kTailWidth] scores of the prefix keys past the
-  // last full block; [R, Tp] scores of the tree keys the task sees; [D, Tp] those keys, transposed; [R, D] outputs
+  // last full block; [R, Tp] scores of the tree keys the task sees; [D, Tp] those keys, transposed; [R, D] outputs;
+  // [R, D] the outputs of the rows' first halves (split_point)
   std::vector<const scalar_t*> value_rows;  // [kKeyBlock] the value rows of one block
   std::vector<int64_t> tree_keys;           // the union of the task's tokens' visible tree keys (indices into the tree)
   std::vector<int64_t> own;                 // one token's visible keys, as positions in tree_keys
@@ -573,7 +613,7 @@ struct TaskScratch {
 #endif
   TaskScratch(int64_t D, int64_t T)
       : Tp(round_up(T, kKeyPad)), qs(kTaskRows * D), s(kTaskRows * kKeyBlock), s_tail(kTaskRows * kTailWidth),
-        s_tree(kTaskRows * Tp), ku(D * Tp), o(kTaskRows * D), value_rows(kKeyBlock), seen(new bool[T])
+        s_tree(kTaskRows * Tp), ku(D * Tp), o(kTaskRows * D), o_first(kTaskRows * D), value_rows(kKeyBlock), seen(new bool[T])
 #if defined(TR_ENGINE_AMX)
         , qb(16 * D), hi(16 * kKeyBlock), lo(16 * kKeyBlock), ghi(16 * kKeyBlock), glo(16 * kKeyBlock),
         kup(Tp * D / 2), vp(kKeyBlock / 2 * 64), sums(16 * 64), group_rows(16 * kKeyBlock)
@@ -625,11 +665,15 @@ TaskScratch<scalar_t, Acc>& task_scratch(int64_t D, int64_t T) {
 //    the chunk's keys as prefix keys (b.P = the cached prefix + the chunk), and token t's row sees the prefix keys up
 //    to its own, b.P - T + t + 1 of them. Its sequence is then the decode step's at that prefix, key for key, cut into
 //    the same blocks: a prompt prefilled in one chunk, in several, or a token at a time gives the same bits.
+//  - A row of more than one block folds the halves of its sequence apart (split_point) and merges them at the end;
+//    with `half` the task folds one half of rows that share their split (among the full blocks) and leaves its state
+//    in `partial` ([R, 2 + D]: max, sum, outputs) for merge_rows.
 template <typename scalar_t, typename Acc, int64_t R>
 void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, HeadKeys<Acc>& b, bool windowed,
                  const scalar_t* k, const scalar_t* v, int64_t ldv, const bool* mask, const int64_t* tok,
                  const int64_t* qhead, TaskScratch<scalar_t, Acc>& w, scalar_t* out, int64_t Hq, bool causal,
-                 const uint32_t* laid_values = nullptr, int64_t laid_chunk = 0) {
+                 const uint32_t* laid_values = nullptr, int64_t laid_chunk = 0, Half half = Half::kBoth,
+                 Acc* partial = nullptr) {
   const int64_t D = b.D, P = b.P, T = causal ? 0 : b.T;
   // On the tiles (the amx tier's bf16 heads: amx_attention), or in the vector tiles (every task on every other tier,
   // which never has more than kRows rows).
@@ -717,6 +761,36 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   std::fill(l, l + R, Acc(0));
   Acc* o = w.o.get();
   std::fill(o, o + R * D, Acc(0));
+  // Each row's split_point, from the keys it sees: its prefix keys and its visible tree keys (rows are token-major).
+  int64_t split[R];
+  for (int64_t r = 0; r < R; ++r) {
+    if (r > 0 && tok[r] == tok[r - 1]) {
+      split[r] = split[r - 1];
+      continue;
+    }
+    int64_t n = seen_prefix(tok[r]);
+    for (int64_t i = 0; i < T; ++i) n += mask[tok[r] * T + i];
+    split[r] = split_point(n);
+  }
+  // Rows r0..r1-1 whose second half starts at key `at` of their sequence (folding both): the first half's state set
+  // aside, the second folded from a fresh start.
+  Acc m_first[R] = {}, l_first[R] = {};
+  bool halved[R];
+  std::fill(halved, halved + R, false);
+  Acc* o_first = w.o_first.get();
+  const auto begin_second = [&](int64_t r0, int64_t r1, int64_t at) {
+    if (half != Half::kBoth) return;
+    for (int64_t r = r0; r < r1; ++r)
+      if (split[r] == at && at > 0) {
+        m_first[r] = m[r];
+        l_first[r] = l[r];
+        std::copy(o + r * D, o + (r + 1) * D, o_first + r * D);
+        m[r] = -std::numeric_limits<Acc>::infinity();
+        l[r] = Acc(0);
+        std::fill(o + r * D, o + (r + 1) * D, Acc(0));
+        halved[r] = true;
+      }
+  };
   Acc* s = w.s.get();
   const scalar_t** value_rows = w.value_rows.data();
   // Fold rows r0..r1-1 of s (one block: n keys, padded with -inf to width) into (m, l), rescale their outputs, and
@@ -766,9 +840,11 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
 #endif
     if constexpr (R <= kRows) values_rows(r1 - r0, s + r0 * lds, lds, value_rows, n, o + r0 * D, D);
   };
-  // Full blocks of prefix keys: the same keys for every row.
+  // Full blocks of prefix keys: the same keys for every row (one half's: those before the rows' split, or from it on).
   const int64_t full = shared / kKeyBlock * kKeyBlock;
-  for (int64_t j0 = 0; j0 < full; j0 += kKeyBlock) {
+  const int64_t from = half == Half::kSecond ? split[0] : 0, to = half == Half::kFirst ? split[0] : full;
+  for (int64_t j0 = from; j0 < to; j0 += kKeyBlock) {
+    begin_second(0, R, j0);
     if (windowed) {
       b.base = j0;
       fill_keys(b, k, ldv, j0, j0 + kKeyBlock);
@@ -778,18 +854,20 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       for (int64_t j = 0; j < kKeyBlock; ++j) value_rows[j] = v + (j0 + j) * ldv;
     absorb(0, R, kKeyBlock, kKeyBlock, j0);
   }
-  // The rest: the prefix tail's and the tree keys' scores for all rows, then each token's blocks.
+  // The rest: the prefix tail's and the tree keys' scores for all rows, then each token's blocks (a first half has
+  // none of them).
+  const bool rest = half != Half::kFirst;
   const int64_t tail = last - full;  // (the longest; in a tree every row's)
   Acc* s_tail = w.s_tail.get();
   Acc* s_tree = w.s_tree.get();
-  if (tail > 0) {
+  if (tail > 0 && rest) {
     if (windowed) {
       b.base = full;
       fill_keys(b, k, ldv, full, P);
     }
     score_prefix(full, round_up(tail, kKeyPad), s_tail, ldtail);
   }
-  if (nu > 0) score_tree(s_tree, ldt);
+  if (nu > 0 && rest) score_tree(s_tree, ldt);
   auto& own = w.own;
   // The end of the rows from r0 that are one token's (rows are token-major).
   const auto token_end = [&](int64_t r0) {
@@ -818,7 +896,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   };
 #if defined(TR_ENGINE_AMX)
   if constexpr (kTileTypes)
-    if (on_tiles) {
+    if (on_tiles && rest) {
       // On the tiles every token's blocks go together: the softmax of each token's rows over its keys, then one
       // block_values, whose keys up to the last whole pair group inside the prefix tail are every token's (value rows
       // laid out once for all the task's rows) and the rest each token's own. In a causal chunk every key is a prefix
@@ -844,6 +922,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
           const int64_t n = std::clamp<int64_t>(mine + static_cast<int64_t>(own.size()) - j0, 0, kKeyBlock);
           for (int64_t r = r0; r < r1; ++r) w.n[r] = n;
           if (n == 0) continue;
+          begin_second(r0, r1, full + j0);
           copy_scores(r0, r1, j0, n, mine);
           soften(r0, r1, n, round_up(n, kKeyPad));
           const bf16** rows = w.group_rows.data() + groups.size() * kKeyBlock;
@@ -855,7 +934,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       }
     }
 #endif
-  for (int64_t r0 = 0, r1; r0 < R && !on_tiles; r0 = r1) {
+  for (int64_t r0 = 0, r1; r0 < R && !on_tiles && rest; r0 = r1) {
     r1 = token_end(r0);  // rows r0..r1-1 are this token's
     own_keys(tok[r0]);
     const int64_t mine = seen_prefix(tok[r0]) - full;  // this token's prefix keys past the full blocks
@@ -863,6 +942,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
     for (int64_t j0 = 0; j0 < length; j0 += kKeyBlock) {
       const int64_t n = std::min(kKeyBlock, length - j0);
       for (int64_t j = 0; j < n; ++j) value_rows[j] = value_row(j0 + j, mine);
+      begin_second(r0, r1, full + j0);
       copy_scores(r0, r1, j0, n, mine);
       absorb(r0, r1, n, round_up(n, kKeyPad), -1);  // (not on the tiles)
     }
@@ -871,15 +951,18 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   if constexpr (kTileTypes)
     if (on_tiles) _tile_release();
 #endif
-  for (int64_t r = 0; r < R; ++r) {
-    scalar_t* dst = out + (tok[r] * Hq + qhead[r]) * D;
-    const Acc inv = Acc(1) / l[r];
-    for (int64_t d = 0; d < D; ++d) {
-      if constexpr (std::is_same_v<Acc, double>)
-        dst[d] = o[r * D + d] * inv;
-      else
-        dst[d] = from_float<scalar_t>(o[r * D + d] * inv);
+  if (half != Half::kBoth) {  // one half's state, for merge_rows
+    for (int64_t r = 0; r < R; ++r) {
+      Acc* p = partial + r * (2 + D);
+      p[0] = m[r];
+      p[1] = l[r];
+      std::copy(o + r * D, o + (r + 1) * D, p + 2);
     }
+    return;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (halved[r]) merge_halves(m_first[r], l_first[r], o_first + r * D, m[r], l[r], o + r * D, D);
+    finish_row(o + r * D, l[r], out + (tok[r] * Hq + qhead[r]) * D, D);
   }
 }
 
@@ -974,28 +1057,94 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
   // (0, n - 1, 1, n - 2, ...), and any run of them costs about its share (a 1200-token prompt's attention 8% faster).
   // Which thread attends a row changes no bit.
   const auto block_of = [&](int64_t i) { return !causal ? i : i % 2 == 0 ? i / 2 : blocks - 1 - i / 2; };
-  parallel_for(0, Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
+  // Where a head has one block of rows (a decode step, a small verify) and the heads are not a multiple of the threads
+  // (SmolLM2's 3 on 2 threads), a block whose rows share their split_point, among the full blocks of prefix keys,
+  // goes as two tasks, one half each (attend_rows), their states merged after (merge_halves): with 3 heads, 6 tasks.
+  // (Heads of several blocks, a wide verify's, took longer in halves: each task's setup twice.) Which task folds a
+  // half changes no bit.
+  const int64_t units = Hkv * blocks, threads = pool_threads();
+  std::vector<int64_t> halves_at(blocks, 0);  // a block's common split where it goes as two tasks, else 0
+  if (windowed && !causal && threads > 1 && units % threads != 0) {
+    std::vector<int64_t> split(T);  // per token: the split of the keys it sees (the prefix and its visible tree keys)
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t n = P;
+      for (int64_t i = 0; i < T; ++i) n += mask[t * T + i];
+      split[t] = split_point(n);
+    }
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t first = blk * task_rows / G, last = (std::min(rows, (blk + 1) * task_rows) - 1) / G;
+      const int64_t at = split[first];
+      bool same = at > 0 && at <= P / kKeyBlock * kKeyBlock;
+      for (int64_t t = first; t <= last && same; ++t) same = split[t] == at;
+      halves_at[blk] = same ? at : 0;
+    }
+  }
+  struct Task {
+    int64_t unit;  // h * blocks + the head's block of rows
+    Half half;
+  };
+  std::vector<Task> tasks;
+  tasks.reserve(2 * units);
+  bool any_halves = false;
+  for (int64_t i = 0; i < units; ++i) {
+    const int64_t unit = i / blocks * blocks + block_of(i % blocks);
+    if (halves_at[unit % blocks] > 0) {
+      tasks.push_back({unit, Half::kFirst});
+      tasks.push_back({unit, Half::kSecond});
+      any_halves = true;
+    } else {
+      tasks.push_back({unit, Half::kBoth});
+    }
+  }
+  // A half's state: [unit][first, second][row][2 + D] (attend_rows' `partial`).
+  const int64_t state = 2 + D;
+  Acc* partial = any_halves ? reused<Acc>(units * 2 * task_rows * state, 2) : nullptr;
+  const auto partial_of = [&](int64_t unit, Half half) {
+    return partial + ((unit * 2 + (half == Half::kSecond)) * task_rows) * state;
+  };
+  // The block of rows of a unit: its first row, count, and each row's token and query head.
+  const auto rows_of = [&](int64_t unit, int64_t* tok, int64_t* qhead) {
+    const int64_t h = unit / blocks, r0 = unit % blocks * task_rows, R = std::min(task_rows, rows - r0);
+    for (int64_t r = 0; r < R; ++r) {
+      tok[r] = (r0 + r) / G;
+      qhead[r] = h * G + (r0 + r) % G;
+    }
+    return R;
+  };
+  parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     TaskScratch<scalar_t, Acc>& scratch = task_scratch<scalar_t, Acc>(D, T);
     std::optional<HeadKeys<Acc>> window;
     if (windowed)
       window.emplace(D, P, T, kKeyBlock, reused<Acc>(HeadKeys<Acc>::size(D, T, kKeyBlock), 1),
                      keys_as_pairs<scalar_t, Acc>(D));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / blocks, r0 = block_of(task % blocks) * task_rows, R = std::min(task_rows, rows - r0);
+    for (int64_t i = begin; i < end; ++i) {
+      const Task task = tasks[i];
+      const int64_t h = task.unit / blocks;
       int64_t tok[kTaskRows], qhead[kTaskRows];
-      for (int64_t r = 0; r < R; ++r) {
-        tok[r] = (r0 + r) / G;
-        qhead[r] = h * G + (r0 + r) % G;
-      }
+      const int64_t R = rows_of(task.unit, tok, qhead);
+      Acc* state_out = task.half == Half::kBoth ? nullptr : partial_of(task.unit, task.half);
       // Each row count a kernel of its own (up to 16 rows where amx_attention applies, kRows elsewhere).
       with_rows<kTaskRows>(static_cast<int>(R), [&](auto rows_const) {
         attend_rows<scalar_t, Acc, decltype(rows_const)::value>(
             qp, q_strides, log2_scale, windowed ? *window : heads[h], windowed, kp + h * s.head, vp + h * s.head,
             slot_stride, mask, tok, qhead, scratch, op, Hq, causal,
-            laid_head(h), laid_chunk);
+            laid_head(h), laid_chunk, task.half, state_out);
       });
     }
   });
+  // The halves merged, as attend_rows merges a row's halves when it folds both (the same merge_halves).
+  if (any_halves)
+    for (int64_t unit = 0; unit < units; ++unit) {
+      if (halves_at[unit % blocks] == 0) continue;
+      int64_t tok[kTaskRows], qhead[kTaskRows];
+      const int64_t R = rows_of(unit, tok, qhead);
+      for (int64_t r = 0; r < R; ++r) {
+        const Acc* first = partial_of(unit, Half::kFirst) + r * state;
+        Acc* second = partial_of(unit, Half::kSecond) + r * state;
+        merge_halves(first[0], first[1], first + 2, second[0], second[1], second + 2, D);
+        finish_row(second + 2, second[1], op + (tok[r] * Hq + qhead[r]) * D, D);
+      }
+    }
 }
 
 

@@ -16,6 +16,12 @@ inline const Host*& bound_host() {
   return host;
 }
 
+// The threads a parallel_for called here would run on (1 until a host is bound, or inside another's region).
+inline int64_t pool_threads() {
+  const Host* host = bound_host();
+  return host == nullptr ? 1 : host->threads();
+}
+
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin >= end) return;
