@@ -6,7 +6,7 @@
 //  - the tree part is sparse (a token sees depth + 1 of the T tree keys): the task gathers just the union of its
 //    tokens' ancestors (a dozen keys, not T), and each token's rows pick theirs out of those scores.
 // No [T, P + T] mask is ever built. Softmax runs in float (double for float64 inputs), over a row's keys in two halves
-// merged at its end where they are more than one block (split_point), so that a decode step's head can be two tasks.
+// merged at its end where they are more than two blocks (split_point), so that a decode step's head can be two tasks.
 // The kernel is row-independent: a row's bits depend only on its query and the keys it sees (attend_rows says how), so
 // a verify step reproduces plain decoding exactly, in bfloat16 too.
 #pragma once
@@ -68,7 +68,7 @@ inline int64_t split_point(int64_t n) {
   return blocks >= 3 ? blocks / 2 * kKeyBlock : 0;
 }
 
-// Which of a row's halves a task folds: both (merged at its end), or one of them (left unmerged, for merge_rows).
+// Which of a row's halves a task folds: both (merged at its end), or one of them (merged after the tasks).
 enum class Half { kBoth, kFirst, kSecond };
 
 // The softmax state of the first half (m1, l1, o1) merged into the second's (m2, l2, o2): each half's sums rescaled to
@@ -613,7 +613,8 @@ struct TaskScratch {
 #endif
   TaskScratch(int64_t D, int64_t T)
       : Tp(round_up(T, kKeyPad)), qs(kTaskRows * D), s(kTaskRows * kKeyBlock), s_tail(kTaskRows * kTailWidth),
-        s_tree(kTaskRows * Tp), ku(D * Tp), o(kTaskRows * D), o_first(kTaskRows * D), value_rows(kKeyBlock), seen(new bool[T])
+        s_tree(kTaskRows * Tp), ku(D * Tp), o(kTaskRows * D), o_first(kTaskRows * D), value_rows(kKeyBlock),
+        seen(new bool[T])
 #if defined(TR_ENGINE_AMX)
         , qb(16 * D), hi(16 * kKeyBlock), lo(16 * kKeyBlock), ghi(16 * kKeyBlock), glo(16 * kKeyBlock),
         kup(Tp * D / 2), vp(kKeyBlock / 2 * 64), sums(16 * 64), group_rows(16 * kKeyBlock)
@@ -665,9 +666,9 @@ TaskScratch<scalar_t, Acc>& task_scratch(int64_t D, int64_t T) {
 //    the chunk's keys as prefix keys (b.P = the cached prefix + the chunk), and token t's row sees the prefix keys up
 //    to its own, b.P - T + t + 1 of them. Its sequence is then the decode step's at that prefix, key for key, cut into
 //    the same blocks: a prompt prefilled in one chunk, in several, or a token at a time gives the same bits.
-//  - A row of more than one block folds the halves of its sequence apart (split_point) and merges them at the end;
+//  - A row of more than two blocks folds the halves of its sequence apart (split_point) and merges them at the end;
 //    with `half` the task folds one half of rows that share their split (among the full blocks) and leaves its state
-//    in `partial` ([R, 2 + D]: max, sum, outputs) for merge_rows.
+//    in `partial` ([R, 2 + D]: max, sum, outputs) for tree_attention_kernel to merge.
 template <typename scalar_t, typename Acc, int64_t R>
 void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, HeadKeys<Acc>& b, bool windowed,
                  const scalar_t* k, const scalar_t* v, int64_t ldv, const bool* mask, const int64_t* tok,
@@ -951,7 +952,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
   if constexpr (kTileTypes)
     if (on_tiles) _tile_release();
 #endif
-  if (half != Half::kBoth) {  // one half's state, for merge_rows
+  if (half != Half::kBoth) {  // one half's state, merged after the tasks
     for (int64_t r = 0; r < R; ++r) {
       Acc* p = partial + r * (2 + D);
       p[0] = m[r];
@@ -1058,26 +1059,22 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
   // Which thread attends a row changes no bit.
   const auto block_of = [&](int64_t i) { return !causal ? i : i % 2 == 0 ? i / 2 : blocks - 1 - i / 2; };
   // Where a head has one block of rows (a decode step, a small verify) and the heads are not a multiple of the threads
-  // (SmolLM2's 3 on 2 threads), a block whose rows share their split_point, among the full blocks of prefix keys,
+  // (SmolLM2's 3 on 2 threads), and the rows share their split_point, among the full blocks of prefix keys, each head
   // goes as two tasks, one half each (attend_rows), their states merged after (merge_halves): with 3 heads, 6 tasks.
   // (Heads of several blocks, a wide verify's, took longer in halves: each task's setup twice.) Which task folds a
   // half changes no bit.
-  const int64_t units = Hkv * blocks, threads = pool_threads();
-  std::vector<int64_t> halves_at(blocks, 0);  // a block's common split where it goes as two tasks, else 0
-  if (windowed && !causal && threads > 1 && units % threads != 0) {
-    std::vector<int64_t> split(T);  // per token: the split of the keys it sees (the prefix and its visible tree keys)
-    for (int64_t t = 0; t < T; ++t) {
+  const int64_t units = Hkv * blocks;
+  int64_t halves = 0;  // the rows' common split where the heads go in halves, else 0
+  if (windowed && !causal && pool_threads() > 1 && Hkv % pool_threads() != 0) {
+    bool same = true;
+    for (int64_t t = 0; t < T && same; ++t) {  // each token's keys: the prefix and its visible tree keys
       int64_t n = P;
       for (int64_t i = 0; i < T; ++i) n += mask[t * T + i];
-      split[t] = split_point(n);
+      const int64_t at = split_point(n);
+      if (t == 0) halves = at;
+      same = at == halves;
     }
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t first = blk * task_rows / G, last = (std::min(rows, (blk + 1) * task_rows) - 1) / G;
-      const int64_t at = split[first];
-      bool same = at > 0 && at <= P / kKeyBlock * kKeyBlock;
-      for (int64_t t = first; t <= last && same; ++t) same = split[t] == at;
-      halves_at[blk] = same ? at : 0;
-    }
+    if (!same || halves > P / kKeyBlock * kKeyBlock) halves = 0;
   }
   struct Task {
     int64_t unit;  // h * blocks + the head's block of rows
@@ -1085,20 +1082,18 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
   };
   std::vector<Task> tasks;
   tasks.reserve(2 * units);
-  bool any_halves = false;
   for (int64_t i = 0; i < units; ++i) {
     const int64_t unit = i / blocks * blocks + block_of(i % blocks);
-    if (halves_at[unit % blocks] > 0) {
+    if (halves > 0) {
       tasks.push_back({unit, Half::kFirst});
       tasks.push_back({unit, Half::kSecond});
-      any_halves = true;
     } else {
       tasks.push_back({unit, Half::kBoth});
     }
   }
   // A half's state: [unit][first, second][row][2 + D] (attend_rows' `partial`).
   const int64_t state = 2 + D;
-  Acc* partial = any_halves ? reused<Acc>(units * 2 * task_rows * state, 2) : nullptr;
+  Acc* partial = halves > 0 ? reused<Acc>(units * 2 * task_rows * state, 2) : nullptr;
   const auto partial_of = [&](int64_t unit, Half half) {
     return partial + ((unit * 2 + (half == Half::kSecond)) * task_rows) * state;
   };
@@ -1133,9 +1128,8 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
     }
   });
   // The halves merged, as attend_rows merges a row's halves when it folds both (the same merge_halves).
-  if (any_halves)
+  if (halves > 0)
     for (int64_t unit = 0; unit < units; ++unit) {
-      if (halves_at[unit % blocks] == 0) continue;
       int64_t tok[kTaskRows], qhead[kTaskRows];
       const int64_t R = rows_of(unit, tok, qhead);
       for (int64_t r = 0; r < R; ++r) {
