@@ -173,6 +173,21 @@ def test_a_tree_row_is_bitwise_its_decode_step(dtype, P, heads, D):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,heads", [(2, (9, 3)), (10, (9, 3)), (16, (9, 3)), (3, (4, 1))])
+def test_a_block_cut_between_the_threads_is_bitwise_its_decode_steps(dtype, T, heads):
+    """The threads take equal shares of the heads' blocks of rows, in half blocks (attention.h): with 3 KV heads on 2
+    threads a decode step's middle head, a 10-token verify's middle block (15 blocks of 6 rows) or a 16-token one's on
+    the tiles (9 blocks of 16) goes as two tasks, one half of its rows' keys each, merged after them; with one KV head,
+    its only block. Each row still has its decode step's bits (whose heads are cut elsewhere, or not at all)."""
+    P = 700  # (past two blocks of 256 keys: the rows' keys in halves)
+    q, k, v, g = operands(T, P, *heads, 64, dtype, seed=T, S=P + T + 5)
+    mask = random_tree_mask(T, g)
+    got = kernels.tree_attention(q, k, v, P, mask, 0.125)
+    for t in range(T):
+        assert torch.equal(got[t], as_decode_step(q, k, v, P, mask, t)), f"token {t}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("P,heads,D", [(P, heads, 64) for heads in ((9, 3), (4, 4)) for P in (0, 250, 511)]
                          + [(250, (4, 2), 128)],  # (128 dims: two 64-dim chunks of the tiles' value pairs)
                          ids=[f"{name}-{P}" for name in ("gqa9x3", "mha4") for P in (0, 250, 511)]

@@ -1058,46 +1058,65 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
   // (0, n - 1, 1, n - 2, ...), and any run of them costs about its share (a 1200-token prompt's attention 8% faster).
   // Which thread attends a row changes no bit.
   const auto block_of = [&](int64_t i) { return !causal ? i : i % 2 == 0 ? i / 2 : blocks - 1 - i / 2; };
-  // Where a head has one block of rows (a decode step, a small verify) and the heads are not a multiple of the threads
-  // (SmolLM2's 3 on 2 threads), and the rows share their split_point, among the full blocks of prefix keys, each head
-  // goes as two tasks, one half each (attend_rows), their states merged after (merge_halves): with 3 heads, 6 tasks.
-  // (Heads of several blocks, a wide verify's, took longer in halves: each task's setup twice.) Which task folds a
-  // half changes no bit.
-  const int64_t units = Hkv * blocks;
-  int64_t halves = 0;  // the rows' common split where the heads go in halves, else 0
-  if (windowed && !causal && pool_threads() > 1 && Hkv % pool_threads() != 0) {
-    bool same = true;
-    for (int64_t t = 0; t < T && same; ++t) {  // each token's keys: the prefix and its visible tree keys
+  // The threads take equal shares of the heads' work, counted in half blocks of rows. Where a share ends in the middle
+  // of a block whose rows share their split_point among the full blocks of prefix keys, that block goes as two tasks,
+  // one half each (attend_rows), their states merged after (merge_halves): SmolLM2's 3 heads of a decode step on 2
+  // threads are 1.5 heads each, not 2 and 1; a 16-token verify's 9 blocks on the tiles 4.5 and 4.5, not 5 and 4. At
+  // most one block a share is cut (cutting every block of a wide verify, each task's setup twice, took longer). Which
+  // task folds a half changes no bit.
+  const int64_t units = Hkv * blocks, threads = std::min(pool_threads(), 2 * units);  // (a share is a half at least)
+  std::vector<int64_t> halves_at(blocks, 0);  // a block's rows' common split where it may be cut, else 0
+  if (!causal && threads > 1 && units % threads != 0) {
+    std::vector<int64_t> split(T);  // per token: the split of the keys it sees (the prefix and its visible tree keys)
+    for (int64_t t = 0; t < T; ++t) {
       int64_t n = P;
       for (int64_t i = 0; i < T; ++i) n += mask[t * T + i];
-      const int64_t at = split_point(n);
-      if (t == 0) halves = at;
-      same = at == halves;
+      split[t] = split_point(n);
     }
-    if (!same || halves > P / kKeyBlock * kKeyBlock) halves = 0;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t first = blk * task_rows / G, last = (std::min(rows, (blk + 1) * task_rows) - 1) / G;
+      bool same = split[first] > 0 && split[first] <= P / kKeyBlock * kKeyBlock;
+      for (int64_t t = first; t <= last && same; ++t) same = split[t] == split[first];
+      halves_at[blk] = same ? split[first] : 0;
+    }
   }
   struct Task {
     int64_t unit;  // h * blocks + the head's block of rows
     Half half;
   };
-  std::vector<Task> tasks;
-  tasks.reserve(2 * units);
-  for (int64_t i = 0; i < units; ++i) {
-    const int64_t unit = i / blocks * blocks + block_of(i % blocks);
-    if (halves > 0) {
-      tasks.push_back({unit, Half::kFirst});
-      tasks.push_back({unit, Half::kSecond});
-    } else {
-      tasks.push_back({unit, Half::kBoth});
+  std::vector<Task> tasks;  // share by share: share i is tasks[starts[i]] .. tasks[starts[i + 1] - 1]
+  std::vector<int64_t> starts{0}, cut;  // cut: the blocks that go as two tasks
+  tasks.reserve(units + threads);
+  bool second = false;  // whether the share before ended in a block's first half
+  for (int64_t share = 0, next = 0, done = 0; share < threads; ++share) {  // done: half blocks taken
+    if (second) {
+      tasks.push_back({cut.back(), Half::kSecond});
+      ++done;
+      second = false;
     }
+    const int64_t target = 2 * units * (share + 1) / threads;
+    for (; done < target && next < units; ++next) {
+      const int64_t unit = next / blocks * blocks + block_of(next % blocks);
+      if (target - done == 1 && halves_at[unit % blocks] > 0) {
+        tasks.push_back({unit, Half::kFirst});
+        cut.push_back(unit);
+        ++done;
+        second = true;
+      } else {
+        tasks.push_back({unit, Half::kBoth});
+        done += 2;
+      }
+    }
+    starts.push_back(static_cast<int64_t>(tasks.size()));
   }
-  // A half's state: [unit][first, second][row][2 + D] (attend_rows' `partial`).
+  // A cut block's halves' states: [cut][first, second][row][2 + D] (attend_rows' `partial`).
   const int64_t state = 2 + D;
-  Acc* partial = halves > 0 ? reused<Acc>(units * 2 * task_rows * state, 2) : nullptr;
+  Acc* partial = cut.empty() ? nullptr : reused<Acc>(static_cast<int64_t>(cut.size()) * 2 * task_rows * state, 2);
   const auto partial_of = [&](int64_t unit, Half half) {
-    return partial + ((unit * 2 + (half == Half::kSecond)) * task_rows) * state;
+    const int64_t c = std::find(cut.begin(), cut.end(), unit) - cut.begin();
+    return partial + ((c * 2 + (half == Half::kSecond)) * task_rows) * state;
   };
-  // The block of rows of a unit: its first row, count, and each row's token and query head.
+  // The block of rows of a unit: its rows' count, and each row's token and query head.
   const auto rows_of = [&](int64_t unit, int64_t* tok, int64_t* qhead) {
     const int64_t h = unit / blocks, r0 = unit % blocks * task_rows, R = std::min(task_rows, rows - r0);
     for (int64_t r = 0; r < R; ++r) {
@@ -1106,13 +1125,13 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
     }
     return R;
   };
-  parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     TaskScratch<scalar_t, Acc>& scratch = task_scratch<scalar_t, Acc>(D, T);
     std::optional<HeadKeys<Acc>> window;
     if (windowed)
       window.emplace(D, P, T, kKeyBlock, reused<Acc>(HeadKeys<Acc>::size(D, T, kKeyBlock), 1),
                      keys_as_pairs<scalar_t, Acc>(D));
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = starts[begin]; i < starts[end]; ++i) {
       const Task task = tasks[i];
       const int64_t h = task.unit / blocks;
       int64_t tok[kTaskRows], qhead[kTaskRows];
@@ -1127,18 +1146,17 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
       });
     }
   });
-  // The halves merged, as attend_rows merges a row's halves when it folds both (the same merge_halves).
-  if (halves > 0)
-    for (int64_t unit = 0; unit < units; ++unit) {
-      int64_t tok[kTaskRows], qhead[kTaskRows];
-      const int64_t R = rows_of(unit, tok, qhead);
-      for (int64_t r = 0; r < R; ++r) {
-        const Acc* first = partial_of(unit, Half::kFirst) + r * state;
-        Acc* second = partial_of(unit, Half::kSecond) + r * state;
-        merge_halves(first[0], first[1], first + 2, second[0], second[1], second + 2, D);
-        finish_row(second + 2, second[1], op + (tok[r] * Hq + qhead[r]) * D, D);
-      }
+  // The cut blocks' halves merged, as attend_rows merges a row's halves when it folds both (the same merge_halves).
+  for (const int64_t unit : cut) {
+    int64_t tok[kTaskRows], qhead[kTaskRows];
+    const int64_t R = rows_of(unit, tok, qhead);
+    for (int64_t r = 0; r < R; ++r) {
+      const Acc* first = partial_of(unit, Half::kFirst) + r * state;
+      Acc* second = partial_of(unit, Half::kSecond) + r * state;
+      merge_halves(first[0], first[1], first + 2, second[0], second[1], second + 2, D);
+      finish_row(second + 2, second[1], op + (tok[r] * Hq + qhead[r]) * D, D);
     }
+  }
 }
 
 
