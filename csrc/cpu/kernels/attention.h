@@ -387,9 +387,7 @@ void attend_rows(const scalar_t* q, const int64_t* q_strides, Acc log2_scale, He
       split[r] = split[r - 1];
       continue;
     }
-    int64_t n = seen_prefix(tok[r]);
-    for (int64_t i = 0; i < T; ++i) n += mask[tok[r] * T + i];
-    split[r] = split_point(n);
+    split[r] = split_point(seen_prefix(tok[r]) + tree_keys_seen(mask, T, tok[r]));
   }
   // Rows r0..r1-1 whose second half starts at key `at` of their sequence (folding both): the first half's state set
   // aside, the second folded from a fresh start.
@@ -686,11 +684,7 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
   std::vector<int64_t> halves_at(blocks, 0);  // a block's rows' common split where it may be cut, else 0
   if (!causal && threads > 1 && units % threads != 0) {
     std::vector<int64_t> split(T);  // per token: the split of the keys it sees (the prefix and its visible tree keys)
-    for (int64_t t = 0; t < T; ++t) {
-      int64_t n = P;
-      for (int64_t i = 0; i < T; ++i) n += mask[t * T + i];
-      split[t] = split_point(n);
-    }
+    for (int64_t t = 0; t < T; ++t) split[t] = split_point(P + tree_keys_seen(mask, T, t));
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t first = blk * task_rows / G, last = (std::min(rows, (blk + 1) * task_rows) - 1) / G;
       bool same = split[first] > 0 && split[first] <= P / kKeyBlock * kKeyBlock;

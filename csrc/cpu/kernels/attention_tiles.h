@@ -55,6 +55,14 @@ inline int64_t split_point(int64_t n) {
   return blocks >= 3 ? blocks / 2 * kKeyBlock : 0;
 }
 
+// How many of a tree's T tokens token t sees (its row of the [T, T] mask: its ancestors and itself); with the prefix,
+// the keys a row of that token sees, which its split_point follows.
+inline int64_t tree_keys_seen(const bool* mask, int64_t T, int64_t t) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < T; ++i) n += mask[t * T + i];
+  return n;
+}
+
 // Which of a row's halves a task folds: both (merged at its end), or one of them (merged after the tasks).
 enum class Half { kBoth, kFirst, kSecond };
 
