@@ -236,10 +236,42 @@ def test_hybrid_grafts_the_index_branches_under_the_tree():
     assert draft.tokens.tolist() == [3, 4, 5, 9, 9, 6, 7]
     assert draft.tree.parent.tolist() == [0, 0, 0, 0, 3, 1, 5]
     hybrid.learn(draft, [4, 6, 7, 11])  # the index's first branch came true
-    learned = hybrid.suffix_stats[0].tries[0]  # (the matches agreed on 3 tokens: the first class)
+    learned = hybrid.suffix_stats.tries[0]  # (the matches agreed on 3 tokens: the first run class)
     assert learned != [0.0] * len(learned)
     hybrid.remember([5, 5, 5])
     assert index.requests == 3
+
+
+def test_a_match_is_trusted_as_far_as_it_has_run():
+    """The index's nodes are priced by the acceptance learned for their run: the tokens their match has agreed with
+    by the time it drafts them (the history's agreement plus the node's depth less one). Where matches that agreed on
+    3 tokens went wrong and matches that had run 32 and more went on, a fresh 3-token match's first node is priced
+    low and a long match's nodes high; and the 3-token match's own deep nodes, had its first ones come true, are
+    priced by the runs they would have."""
+    from tr_engine.core.adaptive import confidence_bin
+    from tr_engine.core.drafters import RUNS, Hybrid, PromptLookup, TokenRecycling, run_class
+    from tr_engine.core.matrix import RecyclingMatrix
+    from tr_engine.core.tree import build_tree
+
+    index = SuffixIndex(64, max_bytes=suffix.BYTES_PER_TOKEN * 1024)
+    index.add(list(range(1, 48)))  # one earlier request: 1 2 ... 47
+    hybrid = Hybrid(TokenRecycling(RecyclingMatrix(64, 2), build_tree([[0]])), PromptLookup("cpu", length=4), index)
+    long_run = [60, 61] + list(range(1, 35))  # agrees with it on MAX_MATCH tokens: goes on with 35 36 ...
+    fresh = [60, 61, 62, 3, 4, 5]  # agrees on 3: would go on with 6 7 ...
+    assert hybrid.offered(long_run).agree == suffix.MAX_MATCH and hybrid.offered(fresh).agree == suffix.ORDER
+    for _ in range(40):
+        draft = hybrid.propose(long_run)
+        hybrid.learn(draft, list(range(35, 48)) + [0])  # every node came true
+        draft = hybrid.propose(fresh)
+        hybrid.learn(draft, [59, 0])  # its first node did not
+    assert run_class(suffix.MAX_MATCH) == len(RUNS) and run_class(suffix.ORDER) == 0
+    long_values = hybrid.candidates(long_run, [], hybrid.offered(long_run)).value
+    fresh_values = hybrid.candidates(fresh, [], hybrid.offered(fresh)).value
+    assert long_values[1] > 0.9 and long_values[8] > 0.6 and fresh_values[1] < 0.2
+    rates = hybrid.suffix_stats.rates()
+    bin_ = confidence_bin(0.5)  # (one match: each node is half sure)
+    assert fresh_values[30] / fresh_values[29] == pytest.approx(rates[run_class(suffix.ORDER + 29)][bin_])
+    assert run_class(suffix.ORDER + 29) == len(RUNS)
 
 
 def test_a_node_counts_for_every_source_that_proposed_it():

@@ -52,22 +52,27 @@ def confidence_bin(c: float) -> int:
 class ConfidenceStats:
     """Decayed counts of 'the greedy next token was the candidate of confidence bin b in the previous token's matrix
     row', by depth class: how often a candidate of a given confidence is right, learned online (the matrix's
-    confidences are the model's, but from another context: calibrated here, in use)."""
+    confidences are the model's, but from another context: calibrated here, in use). `classes`: how many classes
+    the rows fall in (by default the DEPTHS depth classes; a caller that classes its rows otherwise says which class
+    each row is in when it observes them)."""
 
-    def __init__(self):
+    def __init__(self, classes: int = DEPTHS):
         bins = len(EDGES) + 1
-        self.hits = [[0.0] * bins for _ in range(DEPTHS)]
-        self.tries = [[0.0] * bins for _ in range(DEPTHS)]
+        self.hits = [[0.0] * bins for _ in range(classes)]
+        self.tries = [[0.0] * bins for _ in range(classes)]
         self.decay = 0.5 ** (1 / HALF_LIFE)
         mids = [(lo + hi) / 2 for lo, hi in zip((0.0,) + EDGES, EDGES + (1.0,))]
         self.prior = [m / 2 for m in mids]
 
-    def observe(self, rows: list[list[int]], confidences: list[list[float]], targets: list[int]) -> None:
+    def observe(self, rows: list[list[int]], confidences: list[list[float]], targets: list[int],
+                classes: list[int] | None = None) -> None:
         """rows[d], confidences[d]: the matrix row (before this step's recycle) of the token at depth d of the
-        committed path (the root first); targets[d]: the greedy token that followed it. Every candidate of the row
-        is an observation of its bin: right if it is the first one holding the target (the one accept would take)."""
+        committed path (the root first); targets[d]: the greedy token that followed it; classes[d]: the row's class
+        (default: its depth class). Every candidate of the row is an observation of its bin: right if it is the first
+        one holding the target (the one accept would take)."""
         for d, (row, conf, target) in enumerate(zip(rows, confidences, targets)):
-            hits, tries = self.hits[min(d, DEPTHS - 1)], self.tries[min(d, DEPTHS - 1)]
+            k = min(d, DEPTHS - 1) if classes is None else classes[d]
+            hits, tries = self.hits[k], self.tries[k]
             right = row.index(target) if target in row else -1
             for r, c in enumerate(conf):
                 b = confidence_bin(c)
@@ -75,7 +80,7 @@ class ConfidenceStats:
                 hits[b] = hits[b] * self.decay + (r == right)
 
     def rates(self) -> list[list[float]]:
-        """rates[d][b]: estimated P(a candidate of bin b is right | the path reached depth class d)."""
+        """rates[d][b]: estimated P(a candidate of bin b is right | the path reached a row of class d)."""
         return [[(h + PRIOR_WEIGHT * p) / (t + PRIOR_WEIGHT) for h, t, p in zip(hits, tries, self.prior)]
                 for hits, tries in zip(self.hits, self.tries)]
 
