@@ -146,6 +146,15 @@ inline void check_argmax_rows_args(const at::Tensor& x) {
               "; float32 and float64 are supported");
 }
 
+// top_k_rows (CPU only): logits [T, V], V >= 1, float32, bfloat16, float16 or float64; 1 <= k <= V.
+inline void check_top_k_rows_args(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) >= 1, "top_k_rows: x must be [T, V] with V >= 1, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf ||
+                  x.scalar_type() == at::kDouble,
+              "top_k_rows: x is ", x.scalar_type(), "; float32, bfloat16, float16 and float64 are supported");
+  TORCH_CHECK(k >= 1 && k <= x.size(1), "top_k_rows: k = ", k, " must be in 1..", x.size(1));
+}
+
 // decoder_layers (CPU only): the layers' tensors against x [T, E] and the cache kv [L, N, 2, Hkv, S, D]; weights
 // holds 6 per layer (input_norm, qkv, o, post_norm, gate_up, down), each projection packed (pack_linear) from its
 // [out, in] weight, then optionally the final norm's [E]. The attention part is then checked as tree_attention_batch's, on the layers' queries.

@@ -84,6 +84,12 @@ TORCH_LIBRARY(tr_engine, m) {
   // maximum, a NaN counting as the largest value. Greedy decoding's choice (sampling.greedy), in one op.
   m.def("argmax_rows(Tensor x) -> Tensor");
 
+  // The ids of each row's k largest logits, x [T, V] (float32, bfloat16, float16, float64; CPU) -> int64 [T, k], best
+  // first, ties to the lower id: the first k columns of x.sort(dim=-1, descending=True, stable=True).indices for any
+  // row without a NaN (recycle_update_'s choice of a row's candidates, as its own op). What a greedy step under tensor
+  // parallelism needs of a rank's columns of the logits (Llama.top_k), in one pass a row.
+  m.def("top_k_rows(Tensor x, int k) -> Tensor");
+
   // The CPU kernel tiers (csrc/cpu/tiers.cpp; tr_engine/model/cpu.py chooses among them). cpu_features: the features the
   // tiers may need that this CPU and its OS support ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
   // "avx512dq", "avx512bf16"; "neon" on aarch64). use_cpu_tier: make the tier library at `path` (built for tier

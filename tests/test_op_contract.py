@@ -51,6 +51,7 @@ VALID = {
     "tree_attention_rows": lambda d: rows_args(d),
     "decoder_layers": lambda d: layer_args(d),
     "argmax_rows": lambda d: [torch.randn(3, 50, generator=torch.Generator().manual_seed(5)).to(d)],
+    "top_k_rows": lambda d: [(torch.randint(0, 9, (5, 70), generator=torch.Generator().manual_seed(6)) / 4).to(d), 6],
 }
 
 
@@ -91,8 +92,8 @@ def layer_args(device, L=2, E=32, Hq=4, Hkv=2, D=8, F=24, dtype=torch.float32):
     return [x, weights, cos, sin, kv, slots, prefixes, offsets, masks, Hq, F, 1e-5]
 
 
-CPU_ONLY = {"pack_linear", "packed_linear", "decoder_layers", "argmax_rows"}  # (the blocked layout of the CPU matmul;
-# greedy's argmax, which a GPU leaves to PyTorch)
+CPU_ONLY = {"pack_linear", "packed_linear", "decoder_layers", "argmax_rows", "top_k_rows"}  # (the blocked layout of
+# the CPU matmul; greedy's argmax and tensor parallelism's top-k, which a GPU leaves to PyTorch)
 
 
 def op_device_cases():
@@ -141,6 +142,8 @@ def threaded_args(name, dtype):
         return [rows("cpu", 5, 96).to(dtype), weights("cpu", 300, 96).to(dtype)]
     if name == "argmax_rows":  # (float32 or float64 logits)
         return [torch.randn(7, 5000, generator=torch.Generator().manual_seed(5), dtype=torch.float64)]
+    if name == "top_k_rows":  # (ties: a few distinct values)
+        return [(torch.randint(0, 40, (9, 5000), generator=torch.Generator().manual_seed(5)) / 4).to(dtype), 8]
     if name == "decoder_layers":
         args = layer_args("cpu", E=64, Hq=8, Hkv=4, F=96, dtype=dtype)
         args[1] = [w.to(dtype) for w in args[1]]
@@ -152,7 +155,7 @@ def threaded_args(name, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["packed_linear", "skinny_linear", "tree_attention", "tree_attention_batch",
-                                  "tree_attention_rows", "decoder_layers", "argmax_rows"])
+                                  "tree_attention_rows", "decoder_layers", "argmax_rows", "top_k_rows"])
 def test_the_thread_count_splits_the_work_never_a_sum(name, dtype, cpu_tier):
     """Threads share out whole outputs (a weight's blocks, attention's heads and rows), each computed by one thread
     in one order: 1, 2 and 3 threads give the same bits, so `--threads` (or a test worker's one thread) changes no
@@ -249,6 +252,10 @@ REFUSED = [
     ("decoder_layers", "tree_attention: prefix_len ", replace(6, lambda a, d: [14, 0])),
     ("argmax_rows", "argmax_rows: x must be [..., V] with V >= 1, got ", replace(0, lambda a, d: a[0][:, :0])),
     ("argmax_rows", "argmax_rows: x is ", replace(0, lambda a, d: a[0].bfloat16())),
+    ("top_k_rows", "top_k_rows: x must be [T, V] with V >= 1, got ", replace(0, lambda a, d: a[0][None])),
+    ("top_k_rows", "top_k_rows: x is ", replace(0, lambda a, d: a[0].long())),
+    ("top_k_rows", "top_k_rows: k = ", replace(1, lambda a, d: 71)),
+    ("top_k_rows", "top_k_rows: k = 0 must be in 1..70", replace(1, lambda a, d: 0)),
 ]
 # Checks that need two devices to fail (a CPU tensor beside a CUDA one): refused on a machine with a GPU.
 CROSS_DEVICE = [

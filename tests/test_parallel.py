@@ -371,6 +371,29 @@ def test_stable_topk_is_the_head_of_a_stable_sort_ties_and_all(dtype):
             assert torch.equal(got[0], values[:, :k]) and torch.equal(got[1], ids[:, :k]), (distinct, k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ops", ["kernels", "reference"])
+def test_a_ranks_top_k_from_the_ops_is_stable_topks(ops, dtype, cpu_tier):
+    """A greedy verify under tensor parallelism takes each rank's top-k of its columns (Llama.top_k) from the compiled
+    top_k_rows on a CPU (stable_topk with the reference ops): the same values and ids in the same order, ties and
+    all, on every CPU tier."""
+    from types import SimpleNamespace
+
+    from tr_engine.model.llama import Llama
+    from tr_engine.model.ops import load_ops
+    from tr_engine.model.parallel import stable_topk
+
+    rank = SimpleNamespace(ops=load_ops(ops))
+    g = torch.Generator().manual_seed(1)
+    for distinct in (1, 3, 40, None):
+        x = torch.randn(16, 301, generator=g) if distinct is None else torch.randint(0, distinct, (16, 301),
+                                                                                     generator=g) / 4
+        x = x.to(dtype)
+        for k in (1, 8, 301):
+            got, want = Llama._stable_topk(rank, x, k), stable_topk(x, k)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (distinct, k)
+
+
 def recycle_logits(V: int = 301, T: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
     """A verify step's tokens (a repeated one among them) and logits with many ties (a few distinct values)."""
     g = torch.Generator().manual_seed(0)

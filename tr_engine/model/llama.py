@@ -27,7 +27,7 @@ from torch import nn
 from tr_engine.model.config import LlamaConfig, rope_inv_freq
 from tr_engine.model.functional import apply_rope, rms_norm
 from tr_engine.model.ops import is_compiled, resolve_ops
-from tr_engine.model.parallel import ALONE, Shard, local_config
+from tr_engine.model.parallel import ALONE, Shard, local_config, stable_topk
 from tr_engine.model.reference import rows_to_ragged
 
 
@@ -404,7 +404,15 @@ class Llama(nn.Module):
         """The stable top-k of the whole vocabulary (values [T, k], ids [T, k]: ties by the lower id) from this rank's
         columns of the logits (a forward with gather=False): what a greedy step needs of a row, merged across the ranks
         in one small collective (Shard.topk) instead of gathering every rank's columns."""
-        return self.shard.topk(logits, k, self.vocab[0])
+        return self.shard.topk(logits, k, self.vocab[0], self._stable_topk)
+
+    def _stable_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """parallel.stable_topk's answer, from the compiled top_k_rows on a CPU (one pass a row: 0.05 ms for 16 rows
+        of a 2-rank shard of SmolLM2's logits against 0.8 ms in PyTorch ops; its reference twin is a whole sort)."""
+        if logits.device.type != "cpu" or not is_compiled(self.ops, "top_k_rows"):
+            return stable_topk(logits, k)
+        ids = self.ops.top_k_rows(logits, k)
+        return logits.gather(1, ids), ids
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings [T, E] of input_ids [T]; under tensor parallelism each rank looks up the ids in its rows,

@@ -18,7 +18,8 @@ from tr_engine.errors import InvalidType, UserError
 from tr_engine.model import cpu, reference
 
 OP_NAMES = ("compact_kv_", "skinny_linear", "pack_linear", "packed_linear", "recycle_update_", "tree_attention",
-            "tree_attention_dynamic", "tree_attention_batch", "tree_attention_rows", "decoder_layers", "argmax_rows")
+            "tree_attention_dynamic", "tree_attention_batch", "tree_attention_rows", "decoder_layers", "argmax_rows",
+            "top_k_rows")
 KINDS = ("kernels", "reference")
 # On a CPU, float32, bfloat16 and float16 models keep their projections packed (pack_linear, at load time) and
 # multiply with packed_linear at every row count: each 32-row block of a weight is read once and applied to up to 12
@@ -181,6 +182,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tr_engine::argmax_rows")
     def _(x):
         return x.new_empty(x.shape[:-1], dtype=torch.long)
+
+    @torch.library.register_fake("tr_engine::top_k_rows")
+    def _(x, k):
+        return x.new_empty(x.shape[0], k, dtype=torch.long)
 
     @torch.library.register_fake("tr_engine::decoder_layers")
     def _(x, weights, cos, sin, kv, slots, prefix_lens, offsets, tree_masks, n_heads, ffn, eps):

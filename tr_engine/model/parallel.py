@@ -21,6 +21,7 @@ n % N ranks one more.
 
 import os
 import re
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -75,14 +76,17 @@ class Shard:
                                                                          range(self.world)))], dim=-1)
 
 
-    def topk(self, logits: torch.Tensor, k: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def topk(self, logits: torch.Tensor, k: int, start: int,
+             local: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k over the whole vocabulary from each rank's shard of the logits ([T, V_r], this rank's ids
-        start..start+V_r-1): each rank's stable top-k (stable_topk: ties by the lower id), all-gathered in one
-        collective, and the k best of those, stably again. The ranks' candidates arrive in rank order, which is id
-        order, so a tie still goes to the lower id: the same ids, in the same order, as a stable top-k of the whole
-        row. Returns (values [T, k], ids [T, k] int64), the same on every rank: what greedy acceptance (the first
-        column) and the recycling matrix need of a row, at 2k numbers a rank instead of V_r."""
-        values, ids = stable_topk(logits, k)
+        start..start+V_r-1): each rank's stable top-k (`local`, stable_topk's answer: ties by the lower id; default
+        stable_topk), all-gathered in one collective, and the k best of those, stably again. The ranks' candidates
+        arrive in rank order, which is id order, so a tie still goes to the lower id: the same ids, in the same order,
+        as a stable top-k of the whole row. Returns (values [T, k], ids [T, k] int64), the same on every rank: what
+        greedy acceptance (the first column) and the recycling matrix need of a row, at 2k numbers a rank instead of
+        V_r."""
+        values, ids = (local or stable_topk)(logits, k)
         ids = ids + start
         if self.world == 1:
             return values, ids

@@ -49,6 +49,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def top_k_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of each row's k largest values of x [T, V], best first, ties to the lower id (a stable sort's head)."""
+    return x.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
 def recycle_update_(table: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> None:
     """table [V, k] int64; tokens [T] int64; logits [T, V]. For each i: table[tokens[i]] <- the k largest logits'
     ids at row i, best first, ties broken by the lower id (a stable sort; topk leaves tie order unspecified).
