@@ -298,6 +298,29 @@ def test_graft_buffers():
         graft(tree, [5])
 
 
+def test_hybrid_prices_a_chain_by_how_long_its_match_was():
+    """Prompt lookup's chains are learned apart by the n-gram their match agreed on: where chains found by 1-token
+    matches went wrong and chains of 3-token matches came true, a 3-token match's chain is worth more than a 1-token
+    match's, token for token."""
+    tr = TokenRecycling(RecyclingMatrix(20, 2), build_tree([[0]]))
+    hybrid = Hybrid(tr, PromptLookup("cpu", length=4))
+    three = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # "1 2 3" occurred: 4 5 6 7 follow
+    one = [8, 9, 10, 11, 12, 13, 14, 15, 9]  # only "9" occurred: 10 11 12 13 follow
+    assert hybrid.lookup.match(three)[1] == 3 and hybrid.lookup.match(one)[1] == 1
+    for _ in range(30):
+        draft = hybrid.propose(three)
+        assert draft.chain_ngram == 3
+        hybrid.learn(draft, [4, 5, 6, 7, 0])
+        draft = hybrid.propose(one)
+        assert draft.chain_ngram == 1
+        hybrid.learn(draft, [0])
+    found3, n3 = hybrid.lookup.match(three)
+    found1, n1 = hybrid.lookup.match(one)
+    value3 = hybrid.candidates(three, found3, None, n3).value
+    value1 = hybrid.candidates(one, found1, None, n1).value
+    assert value3[1] > 0.9 and value1[1] < 0.1 and all(a > b for a, b in zip(value3[1:], value1[1:]))
+
+
 def test_hybrid_follows_the_tree_then_grafts_the_rest_of_the_chain():
     matrix = RecyclingMatrix(20, 2)
     matrix.table[3] = torch.tensor([4, 5])

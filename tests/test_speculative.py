@@ -393,19 +393,23 @@ def test_smollm2_fp32_kernels_references_and_ar_agree_on_the_dev_subset(smollm2,
 
 def test_prompt_lookup_finds_what_the_plain_loop_finds():
     """PromptLookup.lookup searches the ids as bytes: it must return what the loop in its docstring returns, also
-    where a match of the bytes straddles two ids (small ids are mostly zero bytes; ids past 65535 use three)."""
+    where a match of the bytes straddles two ids (small ids are mostly zero bytes; ids past 65535 use three); and
+    match, the n of the n-gram it matched too."""
     import random
 
     from tr_engine.core.drafters import PromptLookup
 
-    def loop(history, max_ngram=3, length=4):
+    def loop(history, max_ngram=3, length=4, with_n=False):
         for n in range(min(max_ngram, len(history) - 1), 0, -1):
             for start in range(len(history) - n - 1, -1, -1):
                 if history[start : start + n] == history[-n:]:
-                    return history[start + n : start + n + length]
-        return []
+                    found = history[start + n : start + n + length]
+                    return (found, n) if with_n else found
+        return ([], 0) if with_n else []
 
-    lookup = PromptLookup("cpu", length=4).lookup
+    lookup, match = PromptLookup("cpu", length=4).lookup, PromptLookup("cpu", length=4).match
+    assert match([1, 2, 3, 9, 1, 2, 3]) == ([9, 1, 2, 3], 3) and match([4, 2, 9, 2]) == ([9, 2], 1)
+    assert match([5]) == match([1, 2]) == ([], 0)
     assert lookup([]) == lookup([7]) == lookup([1, 2]) == []
     assert lookup([5, 5]) == [5]  # a 1-gram, not the tail itself
     assert lookup([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]) == [8, 1, 2, 3]  # the latest match, the longest n-gram
@@ -416,7 +420,7 @@ def test_prompt_lookup_finds_what_the_plain_loop_finds():
     for _ in range(5000):
         vocab = rng.choice([2, 3, 257, 300, 70000, 1 << 30])
         history = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
-        assert lookup(history) == loop(history), history
+        assert lookup(history) == loop(history) and match(history) == loop(history, with_n=True), history
 
 
 def test_truncate_tree_keeps_a_prefix_that_is_a_tree():
