@@ -26,19 +26,7 @@ void recycle_update_cpu_(at::Tensor& table, const at::Tensor& tokens, const at::
     for (int64_t j = i + 1; j < rows && keep[i]; ++j) keep[i] = t[j] != t[i];
   }
   const auto lg = logits.contiguous();
-  const bool* kp = reinterpret_cast<const bool*>(keep.data());
-  int64_t* out = table.data_ptr<int64_t>();
-  using tr_engine_cpu::bf16;
-  using tr_engine_cpu::f16;
-  using tr_engine_cpu::kernels_for;
-  using tr_engine_cpu::data;
-  switch (lg.scalar_type()) {
-    case at::kFloat: kernels_for<float>().top_k_rows(out, k, t, kp, data<float>(lg), rows, V); break;
-    case at::kBFloat16: kernels_for<bf16>().top_k_rows(out, k, t, kp, data<bf16>(lg), rows, V); break;
-    case at::kHalf: kernels_for<f16>().top_k_rows(out, k, t, kp, data<f16>(lg), rows, V); break;
-    case at::kDouble: kernels_for<double>().top_k_rows(out, k, t, kp, data<double>(lg), rows, V); break;
-    default: TORCH_CHECK(false, "recycle_update_: logits dtype ", lg.scalar_type(), " is not supported");
-  }
+  tr_engine_cpu::top_k_rows(table.data_ptr<int64_t>(), k, t, reinterpret_cast<const bool*>(keep.data()), lg);
 }
 
 }  // namespace

@@ -43,6 +43,19 @@ S* data(const at::Tensor& t) {
   return static_cast<S*>(t.data_ptr());
 }
 
+// The active tier's top_k_rows for contiguous logits [rows, V] of any dtype the recycle takes (float32, bfloat16,
+// float16, float64): row r's k best ids to table[tokens[r]] where keep[r] (recycle_update_, top_k_rows).
+inline void top_k_rows(int64_t* table, int64_t k, const int64_t* tokens, const bool* keep, const at::Tensor& logits) {
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  switch (logits.scalar_type()) {
+    case at::kFloat: return kernels_for<float>().top_k_rows(table, k, tokens, keep, data<float>(logits), rows, V);
+    case at::kBFloat16: return kernels_for<bf16>().top_k_rows(table, k, tokens, keep, data<bf16>(logits), rows, V);
+    case at::kHalf: return kernels_for<f16>().top_k_rows(table, k, tokens, keep, data<f16>(logits), rows, V);
+    case at::kDouble: return kernels_for<double>().top_k_rows(table, k, tokens, keep, data<double>(logits), rows, V);
+    default: TORCH_CHECK(false, "top_k_rows: logits dtype ", logits.scalar_type(), " is not supported");
+  }
+}
+
 // The ops of tiers.cpp (registered in csrc/registration.cpp).
 std::vector<std::string> cpu_features();
 void use_cpu_tier(const std::string& name, const std::string& path, const std::vector<std::string>& needs);

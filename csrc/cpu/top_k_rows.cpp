@@ -21,24 +21,13 @@ namespace {
 at::Tensor top_k_rows_cpu(const at::Tensor& x, int64_t k) {
   tr_engine::check_top_k_rows_args(x, k);
   const auto xc = x.contiguous();
-  const int64_t rows = x.size(0), V = x.size(1);
+  const int64_t rows = x.size(0);
   auto out = at::empty({rows, k}, x.options().dtype(at::kLong));
   std::vector<int64_t> row_ids(rows);  // row r's ids go to the output's row r
   std::iota(row_ids.begin(), row_ids.end(), 0);
   const std::vector<char> every(rows, 1);
-  const int64_t* r = row_ids.data();
-  const bool* keep = reinterpret_cast<const bool*>(every.data());
-  int64_t* o = out.data_ptr<int64_t>();
-  using tr_engine_cpu::bf16;
-  using tr_engine_cpu::data;
-  using tr_engine_cpu::f16;
-  using tr_engine_cpu::kernels_for;
-  switch (xc.scalar_type()) {
-    case at::kFloat: kernels_for<float>().top_k_rows(o, k, r, keep, data<float>(xc), rows, V); break;
-    case at::kBFloat16: kernels_for<bf16>().top_k_rows(o, k, r, keep, data<bf16>(xc), rows, V); break;
-    case at::kHalf: kernels_for<f16>().top_k_rows(o, k, r, keep, data<f16>(xc), rows, V); break;
-    default: kernels_for<double>().top_k_rows(o, k, r, keep, data<double>(xc), rows, V); break;
-  }
+  tr_engine_cpu::top_k_rows(out.data_ptr<int64_t>(), k, row_ids.data(), reinterpret_cast<const bool*>(every.data()),
+                            xc);
   return out;
 }
 
