@@ -13,7 +13,8 @@ from tr_engine.core.adaptive import CONTEXTS, DEPTHS, EDGES, AdaptiveTrees, Cand
 from tr_engine.core.batch import speculative_generate
 from tr_engine.core.cost import BUCKETS, PREFIXES, PRIOR_PER_TOKEN, CostModel, cost_key, cost_path
 from tr_engine.core.decode import plain_generate
-from tr_engine.core.drafters import Hybrid, PromptLookup, TokenRecycling
+from tr_engine.core.drafters import PromptLookup, TokenRecycling
+from tr_engine.core.hybrid import Hybrid
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.tree import build_tree, graft, load_tree
 from tr_engine.model.kv_cache import KVCache

@@ -16,7 +16,8 @@ from tr_engine.core import speculative
 from tr_engine.core.adaptive import AdaptiveTrees
 from tr_engine.core.batch import speculative_generate
 from tr_engine.core.decode import plain_generate, prefill
-from tr_engine.core.drafters import Draft, Hybrid, PromptLookup, TokenRecycling
+from tr_engine.core.drafters import Draft, PromptLookup, TokenRecycling
+from tr_engine.core.hybrid import Hybrid
 from tr_engine.core.matrix import RecyclingMatrix
 from tr_engine.core.sampling import Sampler, Sampling, greedy, gumbel_noise, probabilities, sample
 from tr_engine.core.tree import load_tree

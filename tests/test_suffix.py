@@ -221,7 +221,8 @@ def test_unreadable_index_files_are_refused_in_one_line(tmp_path):
 
 
 def test_hybrid_grafts_the_index_branches_under_the_tree():
-    from tr_engine.core.drafters import Hybrid, PromptLookup, TokenRecycling
+    from tr_engine.core.drafters import PromptLookup, TokenRecycling
+    from tr_engine.core.hybrid import Hybrid
     from tr_engine.core.matrix import RecyclingMatrix
     from tr_engine.core.tree import build_tree
 
@@ -249,7 +250,8 @@ def test_a_match_is_trusted_as_far_as_it_has_run():
     low and a long match's nodes high; and the 3-token match's own deep nodes, had its first ones come true, are
     priced by the runs they would have."""
     from tr_engine.core.adaptive import confidence_bin
-    from tr_engine.core.drafters import RUNS, Hybrid, PromptLookup, TokenRecycling, run_class
+    from tr_engine.core.drafters import PromptLookup, TokenRecycling
+    from tr_engine.core.hybrid import RUNS, Hybrid, run_class
     from tr_engine.core.matrix import RecyclingMatrix
     from tr_engine.core.tree import build_tree
 
@@ -277,7 +279,8 @@ def test_a_match_is_trusted_as_far_as_it_has_run():
 def test_a_node_counts_for_every_source_that_proposed_it():
     """The matrix, prompt lookup and the index proposing one token is one node, counted for all three: a step's
     draft and accepted tokens by source (the numbers the server reports) follow the node's bits."""
-    from tr_engine.core.drafters import LOOKUP, MATRIX, SUFFIX, Hybrid, PromptLookup, TokenRecycling
+    from tr_engine.core.drafters import LOOKUP, MATRIX, SUFFIX, PromptLookup, TokenRecycling
+    from tr_engine.core.hybrid import Hybrid
     from tr_engine.core.generation import DraftCounts
     from tr_engine.core.matrix import RecyclingMatrix
     from tr_engine.core.tree import build_tree

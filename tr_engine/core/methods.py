@@ -13,7 +13,7 @@ from tr_engine.errors import InvalidValue
 DRAFTERS: dict[str, object] = {
     "tr": "tr_engine.core.drafters:TokenRecycling",  # Token Recycling: the recycling matrix's tree
     "pld": "tr_engine.core.drafters:PromptLookup",  # prompt lookup: the continuation of an earlier match, as a chain
-    "hybrid": "tr_engine.core.drafters:Hybrid",  # Token Recycling's tree with prompt lookup's chain merged in
+    "hybrid": "tr_engine.core.hybrid:Hybrid",  # Token Recycling's tree with prompt lookup's chain merged in
 }
 AR = "ar"  # plain greedy (or sampled) decoding, one token per forward: no drafter
 # What a user gets unless they ask: the fastest exact method measured on this project's machines (hybrid beats
