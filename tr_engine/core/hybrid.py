@@ -18,8 +18,8 @@ from tr_engine.core.tree import DraftTree, TreeCache, graft
 # A suffix node's run: how many tokens its match has agreed with by the time it drafts the node, if the node's path
 # is right (the history's agreement, Continuations.agree, plus the node's depth less one). The longer a match has run,
 # the likelier it goes on: on bench/data/memory.jsonl a match's next token was right 55-65% of the time after 3 tokens
-# of agreement, ~90% after 8 to 31, 96-100% after 32 or more. The index's rates are learned by run class (the first
-# class: runs of 3 tokens (the index's ORDER), the last: MAX_MATCH and more), and in each by its node's confidence.
+# of agreement, ~90% after 8 to 31, 96-100% after 32 or more. The index's rates are learned by run class, from runs
+# of 3 tokens (the index's ORDER: the first class) to MAX_MATCH and more (the last), and in each by confidence.
 RUNS = (4, 6, 8, 12, 16, 24, MAX_MATCH)
 
 
@@ -33,8 +33,9 @@ class Hybrid:
     copy-heavy text (the prompt's, or what earlier requests answered) gets long copied branches and everything else
     keeps the matrix's drafts. With an adaptive tree, which candidates join is chosen with the tree's size, by the
     same expected-tokens-per-cost rule, each source's candidates valued by the acceptance it has shown (ChainStats for
-    prompt lookup's chain, apart by the n-gram its match agreed on; for the index's continuations, the rate of their confidence's bin, learned as the matrix's
-    confidences are); otherwise every candidate is added to the static tree."""
+    prompt lookup's chain, apart by the n-gram its match agreed on; for the index's continuations, the rate learned
+    for their run's class and confidence's bin, as the matrix's confidences are); otherwise every candidate is added
+    to the static tree."""
 
     name = "hybrid"
     # The longest continuation taken from the index. 32, not 16: on bench/data/memory.jsonl (amx, bf16, three runs of
@@ -99,8 +100,8 @@ class Hybrid:
                    ngram: int = 1) -> Candidates:
         """This step's candidates from outside the matrix: prompt lookup's chain (found by a match of `ngram`
         tokens), each token valued by the observed acceptance of chains of such matches, and the index's
-        continuations, each valued by the rates of its path's empirical probabilities (a candidate both offer is one
-        node, worth the larger value)."""
+        continuations, each node valued by its parent's value times the rate of its run's class and its empirical
+        probability's bin (a candidate both offer is one node, worth the larger value)."""
         chain_stats = self.chain_stats[max(ngram, 1) - 1]
         chain = Candidates.chain(history[-1], found, chain_stats.values(len(found)), LOOKUP)
         if offered is None:
