@@ -39,6 +39,7 @@ from bench.machine import machine_info, machine_line
 from tr_engine.cli.args import CalibrationNotice, add_sampling_args, integer, sampling_from_args
 from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.core.cost import CostModel
+from tr_engine.core.drafters import SOURCES
 from tr_engine.core.methods import methods
 from tr_engine.core.sampling import GREEDY, Sampling
 from tr_engine.core.suffix import SuffixIndex
@@ -195,6 +196,7 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
         flag = "" if v["identical"] == v["n"] else " **DIFFERS**"
         lines.append(f"| {m} | {v['tok_s']:.1f} | {v['speedup']:.2f}x | {fmt_mat(v['mat'])} | "
                      f"{v['identical']}/{v['n']}{flag} |")
+    lines += source_table(records, methods)
     phases = ("retrieve", "verify", "accept", "compact", "recycle")
     lines += ["", "Where decode time goes (share of decode seconds, all questions):", "",
               "| method | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
@@ -223,6 +225,28 @@ def write_summary(out: Path, table: dict, records: list[dict], methods: list[str
     (out / "summary.md").write_text(text)
     plot(out, table, records, methods, groups, f"{args.model} {args.dtype}")
     return text
+
+
+def source_table(records: list[dict], methods: list[str]) -> list[str]:
+    """The summary's lines on where the drafts came from: per method whose drafts name their sources (hybrid's), each
+    source's draft tokens verified, how many were accepted, and its share of all accepted draft tokens (a node two
+    sources proposed counts for both)."""
+    sourced = [m for m in methods if any(any(d for d, _ in r.get("by_source", {}).values())
+                                         for r in records if r["method"] == m)]
+    if not sourced:
+        return []
+    lines = ["", "Draft tokens by source (all questions; a node two sources proposed counts for each): verified, "
+             "accepted, accepted of verified, share of the method's accepted draft tokens:", "",
+             "| method | source | verified | accepted | rate | share |", "|---|---|---|---|---|---|"]
+    for m in sourced:
+        rows = [r for r in records if r["method"] == m]
+        accepted = sum(sum(r["accept_lengths"]) - len(r["accept_lengths"]) for r in rows) or 1  # (bonus tokens out)
+        for source in SOURCES:
+            d = sum(r["by_source"][source][0] for r in rows if source in r.get("by_source", {}))
+            a = sum(r["by_source"][source][1] for r in rows if source in r.get("by_source", {}))
+            if d:
+                lines.append(f"| {m} | {source} | {d} | {a} | {a / d:.2f} | {a / accepted:.0%} |")
+    return lines
 
 
 def plot(out: Path, table: dict, records: list[dict], methods: list[str], groups: list[str], title: str) -> None:
@@ -332,7 +356,7 @@ def run_method(engine: Engine, peer, method: str, messages: list[dict], max_new_
     g = r.generation
     return {"token_ids": r.token_ids, "text": r.text, "new_tokens": len(g.token_ids), "steps": g.steps,
             "accept_lengths": g.accept_lengths, "mat": r.mean_accepted, "verify_tokens": g.verify_tokens,
-            "prefill_s": g.prefill_s,
+            "by_source": g.drafts.by_source, "prefill_s": g.prefill_s,
             "decode_s": g.decode_s, "phase_s": g.phase_s}
 
 

@@ -69,6 +69,13 @@ def test_specbench_adaptive_methods_report_their_tree_sizes(tiny_factory, tmp_pa
     summary = (out / "summary.md").read_text()
     assert "Tokens per verify" in summary and "| hybrid |" in summary and "tree_sizes.png" in summary
     assert (out / "tree_sizes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Where the drafts came from: every draft node counts for the source(s) that proposed it.
+    hybrid = records[2]
+    drafted, accepted = (sum(hybrid[k]) - hybrid["steps"] for k in ("verify_tokens", "accept_lengths"))
+    assert set(hybrid["by_source"]) == {"matrix", "lookup", "suffix"} and hybrid["by_source"]["matrix"][0] > 0
+    assert sum(d for d, _ in hybrid["by_source"].values()) >= drafted > 0
+    assert sum(a for _, a in hybrid["by_source"].values()) >= accepted
+    assert "Draft tokens by source" in summary and "| hybrid | matrix |" in summary
     # Calibrated once, shared by every adaptive method; cached unless measured through a noisy spell (then said so).
     from tr_engine.cli.args import CalibrationNotice
 
