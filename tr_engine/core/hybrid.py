@@ -102,7 +102,7 @@ class Hybrid:
         tokens), each token valued by the observed acceptance of chains of such matches, and the index's
         continuations, each node valued by its parent's value times the rate of its run's class and its empirical
         probability's bin (a candidate both offer is one node, worth the larger value)."""
-        chain_stats = self.chain_stats[max(ngram, 1) - 1]
+        chain_stats = self.chain_stats[max(ngram, 1) - 1]  # (no match: an empty chain, any stats)
         chain = Candidates.chain(history[-1], found, chain_stats.values(len(found)), LOOKUP)
         if offered is None:
             return chain
@@ -143,7 +143,7 @@ class Hybrid:
 
     def learn(self, draft: Draft, committed: list[int], seconds: float = 0.0) -> None:
         if draft.chain:
-            self.chain_stats[max(draft.chain_ngram, 1) - 1].observe(draft.chain, committed)
+            self.chain_stats[draft.chain_ngram - 1].observe(draft.chain, committed)  # (a chain: n >= 1)
         if draft.suffix is not None:  # down the index's trie along the committed tokens: each node's children
             offered, kids = draft.suffix, draft.suffix.children()
             rows, probabilities, node = [], [], 0
