@@ -181,8 +181,11 @@ def curve_file(path: Path) -> dict:
 def write(path: Path, data: dict, info: dict, args) -> str:
     from bench.machine import machine_line, save_results
 
-    before, after = (describe(getattr(args, s)) + (f" on the {getattr(args, s + '_tier')} tier" if getattr(
-        args, s + "_tier") else "") for s in SIDES)
+    # Each side's tier as its worker reported it, forced or its own choice: an older checkout may lack the tier this
+    # one picks (before the amx tier, a checkout on an AMX host runs avx512bf16), and a ratio across tiers says so.
+    tiers = next(iter(data.values()), {}).get("tiers", {})
+    before, after = (describe(getattr(args, s)) + (f" on the {tier} tier" if (tier := tiers.get(s) or getattr(
+        args, s + "_tier")) else "") for s in SIDES)
     lines = [f"# Before ({before}) and after ({after})", "",
              f"{machine_line(info)}. {args.method}, greedy, {args.max_new_tokens} new tokens at most, {args.threads} "
              f"threads; {args.questions} questions of {args.questions_file.name} (first turns), interleaved question "

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench.ab import describe
 from bench.shapes import SHAPES, projections
 from cli import assert_one_line_error, call_main, run_module
 from tr_engine.model import cpu
@@ -209,7 +210,9 @@ def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.with_suffix(".json").read_text())["float32"]
     assert data["tiers"] == {"before": "scalar", "after": cpu.choose().name}  # (TR_ENGINE_CPU too)
-    assert "on the scalar tier) and after" in out.with_suffix(".md").read_text()
+    # the header names both sides' tiers, the one it chose as well as the forced one
+    assert f"on the scalar tier) and after ({describe(Path(repo))} on the {cpu.choose().name} tier)" in (
+        out.with_suffix(".md").read_text())
     proc = run_module("bench.ab", "--before", repo, "--after", repo, "--model", str(tiny_factory("bench-ab")),
                       "--dtypes", "float32", "--questions", "1", "--questions-file", str(questions),
                       "--max-new-tokens", "2", "--threads", "1", "--out", str(out), "--after-tier", "scalar")
