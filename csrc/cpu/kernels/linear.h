@@ -486,8 +486,13 @@ inline void configure(int rows) {
 // block's `steps` steps of weights, the last one from `tail` where the block's groups are not a whole number of steps
 // (tail: that step's groups, zeros after; x is zero past K there too). Each step asks for `ahead_per_step` bytes of
 // lines from `ahead` on (none where it is null): a block's first pass its own weights kDistance bytes ahead of the
-// stream, running on into the next block; where a block takes more passes (more than 32 rows), which read it from L2,
-// each later one a share of the next block's, so that the memory streams the whole time (as the vector passes' shares).
+// stream, running on into the next block. Where a block takes more passes (more than 32 rows), which read it from L2,
+// each later one asks for a share of the next block's lines, so that the memory streams the whole time (as the vector
+// passes' shares), but only from three passes on (65 rows and more: a prefill's chunks). A block's second pass asked
+// for the whole next block: all a layer's projections at 33-64 rows cost 1.7-2.0 single rows' time at a 7B model's
+// shapes against 1.35-1.6 without (its misses to memory held the fill buffers its own loads from L2 wait for), 1.75-1.9
+// against 1.55-1.75 at SmolLM2's; at 96 and 192 rows the shares pay at SmolLM2's shapes (weights from L3 here) and
+// cost at 7B's 96 rows (2.0 single rows without, 2.4 with), as fast at 192.
 template <bool kBottom>
 TR_ENGINE_PASS void pass(const bf16* x, int64_t lda, const bf16* wb, int64_t steps, const bf16* tail, float* sums,
                          const char* ahead, int64_t ahead_per_step) {
@@ -556,7 +561,7 @@ inline void chunk_rows(const bf16* xa, int64_t lda, const bf16* wp, bf16* y, int
         if (t == 0) {
           ahead = reinterpret_cast<const char*>(wb) + kDistance;
           per_step = kStep * kTileStride;
-        } else if (b + 1 < b1) {  // the next block's share after the first pass's lead
+        } else if (b + 1 < b1 && passes > 2) {  // the next block's share after the first pass's lead
           const int64_t later = passes - 1, pass_index = t / kPassRows - 1;
           const int64_t share = (std::max<int64_t>(0, block_bytes - kDistance) / later + 63) / 64 * 64;
           ahead = reinterpret_cast<const char*>(wb) + block_bytes + kDistance + pass_index * share;
