@@ -166,8 +166,9 @@ def shape_run(args, dtype: str, info: dict) -> list[str]:
         lines += [f"{method} by category group, each at its best size: "
                   + ", ".join(f"{grp} {b['speedup']:.2f}x ({b['tokens']} tokens, MAT {b['mat']:.2f})"
                               for grp, b in g["groups"].items()) + f"; geometric mean {g['geo_mean']:.2f}x.", ""]
-    lines.append(f"![cost curve](forward_cost_{args.shape}_{dtype}.png)")
-    stem = args.out / f"forward_cost_{args.shape}_{dtype}"
+    stem = args.out / (f"forward_cost_{args.shape}_{dtype}" + (f"_{info['cpu_tier']}" if info.get("cpu_tier") == "amx"
+                                                                 else ""))
+    lines.append(f"![cost curve]({stem.name}.png)")
     save_results(stem, "\n".join(lines) + "\n",
                  {"shape": args.shape, "dtype": dtype, "random_weights": True, "held_bytes": held,
                   "build_s": built_s, "rss_growth_bytes": rss_gb * 1e9, "read_gb_s": read_gb_s,
