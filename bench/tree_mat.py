@@ -4,22 +4,23 @@ with random weights: a bare GPU machine has no trained model), this measures wha
 projects the speedup at each size.
 
 Each size T is an adaptive tree pinned to a flat cost of at most T tokens (so every step verifies the largest bucket
-of at most T: the T most probable nodes), for Token Recycling (and with --methods tr hybrid, hybrid drafting), each
-with its own matrix warmed on 2 questions first; plus the paper's static 2.2.2 tree (81 tokens). Greedy, first turns
+of at most T: the T most probable nodes), for Token Recycling (and with --methods tr hybrid hybrid-suffix, hybrid
+drafting, and hybrid with a suffix index of every answer it gave before: the engine's default), each with its own
+matrix warmed on 2 questions first; plus the paper's static 2.2.2 tree (81 tokens). Greedy, first turns
 of the dev split. MAT depends on the model and the text, not on the machine, so it carries to a GPU. On a 2-core CPU
 a 128-token verify costs ~9 plain steps: the default run takes about 15 minutes. Writes tree_mat.{json,md}.
 
     python -m bench.tree_mat [--dtype bfloat16] [--questions 8 | --per-group 2] [--max-new-tokens 64]
-                             [--methods tr hybrid] [--sizes 4 8 16 …]
+                             [--methods tr hybrid hybrid-suffix] [--sizes 4 8 16 …]
 """
 
 from pathlib import Path
 
 from bench.machine import machine_info, machine_line, save_results
-from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions
+from bench.specbench import DEFAULT_QUESTIONS, group_of, load_questions, own_drafter
 from tr_engine.cli.args import integer
 from tr_engine.cli.common import ArgumentParser, run
-from tr_engine.core.cost import BUCKETS, CostModel
+from tr_engine.core.cost import BUCKETS
 from tr_engine.engine import Engine
 
 SIZES = (4, 8, 16, 32, 64, 80, 128)
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--questions", type=integer(1), default=8, help="measured questions, spread over the file")
     ap.add_argument("--per-group", type=integer(1), default=None, metavar="N",
                     help="instead: the first N questions of each category group (after the warm-up ones)")
-    ap.add_argument("--methods", nargs="+", default=["tr"], choices=["tr", "hybrid"])
+    ap.add_argument("--methods", nargs="+", default=["tr"], choices=["tr", "hybrid", "hybrid-suffix"])
     ap.add_argument("--max-new-tokens", type=integer(1), default=64)
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help=f"tree sizes (buckets), default "
                     f"{' '.join(map(str, SIZES))}")
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
             if counts.get(group, 0) < args.per_group:
                 chosen.append(q)
                 counts[group] = counts.get(group, 0) + 1
-    drafters = {(m, T): engine.new_drafter(m, "adaptive", cost=CostModel.flat(T), max_tokens=T)
+    # (hybrid-suffix: hybrid with a suffix index of its own, fed by every answer it gives, as bench.specbench's)
+    drafters = {(m, T): own_drafter(engine, m.removesuffix("-suffix"), "adaptive", T, m.endswith("-suffix"))
                 for m in args.methods for T in sizes}
     drafters[("tr", "2.2.2")] = engine.new_drafter("tr", "2.2.2")
     steps = {key: [] for key in drafters}  # committed tokens per step

@@ -361,11 +361,11 @@ def test_tree_mat_measures_each_size_and_category_group(tiny_factory, tmp_path):
     category group, every output checked against plain decoding (the run fails otherwise)."""
     folder = tiny_factory("long", max_positions=8192)  # (a RAG question is ~2400 of its tokens)
     proc = bench_main("bench.tree_mat", "--model", str(folder), "--dtype", "float32", "--per-group", "1",
-                      "--max-new-tokens", "8", "--sizes", "4", "8", "--methods", "tr", "hybrid", "--threads", "1",
-                      "--out", str(tmp_path))
+                      "--max-new-tokens", "8", "--sizes", "4", "8", "--methods", "tr", "hybrid", "hybrid-suffix",
+                      "--threads", "1", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     got = json.loads((tmp_path / "tree_mat.json").read_text())
-    assert got["sizes"] == [4, 8] and set(got["mat"]) == set(got["mat_by_group"]) == {"tr", "hybrid"}
+    assert got["sizes"] == [4, 8] and set(got["mat"]) == set(got["mat_by_group"]) == {"tr", "hybrid", "hybrid-suffix"}
     for method, by_group in got["mat_by_group"].items():
         assert len(by_group) == 6  # one question of each category group
         assert all(mat >= 1.0 for by_T in by_group.values() for mat in by_T.values())
