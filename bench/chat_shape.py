@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.load_memory import write_checkpoint
+from bench.load_memory import scratch_folder, write_checkpoint
 from bench.machine import machine_info, machine_line, save_results, status_kb
 from bench.shapes import SHAPES
 from bench.specbench import DEFAULT_QUESTIONS, load_questions
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     questions = load_questions(DEFAULT_QUESTIONS, None, None)
     turns = questions[args.question]["turns"][:2]
     info, runs = machine_info(), {}
-    with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
+    with tempfile.TemporaryDirectory(dir=scratch_folder(args.scratch)) as tmp:
         folder = Path(tmp) / f"{args.shape}-random"
         folder.mkdir()
         pieces = train_sentencepiece(folder, SHAPES[args.shape].vocab_size,

@@ -20,6 +20,7 @@ import torch
 from bench.machine import machine_info, machine_line, save_results
 from bench.shapes import SHAPES
 from tr_engine.cli.common import ArgumentParser, run
+from tr_engine.errors import UserError
 
 LOAD = """
 import sys, time, torch
@@ -103,6 +104,17 @@ def measure(folder: Path, warm: Path, threads: int) -> dict:
             "grown_x": grown / held, "peak_x": peak / held}
 
 
+def scratch_folder(scratch: Path | None) -> Path | None:
+    """--scratch, made where missing (as --out is), or a one-line error where it cannot be."""
+    if scratch is not None:
+        try:
+            scratch.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--scratch {scratch}: cannot make a folder there ({e.strerror}); give a writable folder "
+                            "with room for the checkpoint") from None
+    return scratch
+
+
 def main(argv=None) -> int:
     from weights_tools.tiny_llama import write_tiny_llama
 
@@ -115,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
     info, rows = machine_info(), {}
-    with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
+    with tempfile.TemporaryDirectory(dir=scratch_folder(args.scratch)) as tmp:
         warm = write_tiny_llama(Path(tmp) / "warm")
         for stored in args.stored:
             folder = Path(tmp) / stored

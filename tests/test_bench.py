@@ -394,20 +394,26 @@ def test_threads_compares_the_policies_idle_and_beside_a_busy_process(tiny_facto
 def test_load_memory_writes_a_checkpoint_of_a_shape_loads_it_and_reports(tmp_path):
     """The harness behind bench/results/load_memory_vicuna-7b.md at the tiny shape (where memory ratios mean
     nothing: tests/test_weights.py holds loading to its memory at 100 MB)."""
-    proc = run_module("bench.load_memory", "--shape", "tiny", "--stored", "float16", "--scratch", str(tmp_path),
+    scratch = tmp_path / "scratch"  # (made where missing)
+    proc = run_module("bench.load_memory", "--shape", "tiny", "--stored", "float16", "--scratch", str(scratch),
                       "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     got = json.loads((tmp_path / "out" / "load_memory_tiny.json").read_text())["rows"]["float16"]
     assert got["checkpoint_bytes"] > 0 and got["held_bytes"] > 0 and got["load_s"] > 0
     assert got["peak_bytes"] >= got["grown_bytes"]
     assert "| float16 |" in (tmp_path / "out" / "load_memory_tiny.md").read_text()
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the checkpoint and its scratch folder are gone
+    assert not any(scratch.iterdir())  # the checkpoint and its temporary folder are gone
+    (tmp_path / "a-file").write_text("")
+    bad = run_module("bench.load_memory", "--shape", "tiny", "--scratch", str(tmp_path / "a-file" / "below"),
+                     "--out", str(tmp_path / "out"))
+    assert_one_line_error(bad, "--scratch", "a-file", "cannot make a folder there")
 
 
 def test_chat_shape_runs_the_chat_command_on_a_random_checkpoint_of_a_shape(tmp_path):
     """The harness behind bench/results/chat_shape_vicuna-7b.md at the tiny shape: both chats answer both turns,
     the default one measures its cost curve first, and memory is read from the live process."""
-    proc = run_module("bench.chat_shape", "--shape", "tiny", "--max-new-tokens", "6", "--scratch", str(tmp_path),
+    scratch = tmp_path / "scratch" / "deeper"  # (made where missing)
+    proc = run_module("bench.chat_shape", "--shape", "tiny", "--max-new-tokens", "6", "--scratch", str(scratch),
                       "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     got = json.loads((tmp_path / "out" / "chat_shape_tiny.json").read_text())
@@ -418,7 +424,11 @@ def test_chat_shape_runs_the_chat_command_on_a_random_checkpoint_of_a_shape(tmp_
     assert ar["notice_s"] is None and 0 < default["notice_s"] < default["first_byte_s"]
     for r in (ar, default):
         assert 0 < r["rss_after_load_bytes"] <= r["peak_bytes"] and all(t["tokens"] > 0 for t in r["turns"])
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "scratch"] and not any(scratch.iterdir())
+    (tmp_path / "a-file").write_text("")
+    bad = run_module("bench.chat_shape", "--shape", "tiny", "--scratch", str(tmp_path / "a-file" / "below"),
+                     "--out", str(tmp_path / "out"))
+    assert_one_line_error(bad, "--scratch", "a-file", "cannot make a folder there")
 
 
 FAKE_LLAMA = """#!/bin/sh
