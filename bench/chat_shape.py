@@ -11,7 +11,7 @@ Reported: seconds from the command's start to the end of loading (the calibratio
 answer's first byte; the process's resident memory after loading and at its peak, as multiples of the weights'
 bytes; and the chat's own line for each turn (tokens/s, prefill). MAT and the answers mean nothing with random
 weights (the drafts are a random model's); a step's speed does not depend on the values. Writes
-chat_shape_<shape>.{md,json}.
+chat_shape_<shape>[_<tier>].{md,json} (bench.machine.tier_suffix).
 
     python -m bench.chat_shape [--shape vicuna-7b] [--max-new-tokens 48] [--scratch DIR]
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.load_memory import scratch_folder, write_checkpoint
-from bench.machine import machine_info, machine_line, save_results, status_kb
+from bench.machine import machine_info, machine_line, save_results, status_kb, tier_suffix
 from bench.shapes import SHAPES
 from bench.specbench import DEFAULT_QUESTIONS, load_questions
 from tr_engine.cli.args import integer
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
               "default's calibration and the first prefill. Resident and peak: VmRSS (after loading: at the notice, "
               "or for plain decoding at its first byte) and VmHWM, as multiples of the weights' bytes."]
     text = "\n".join(lines) + "\n"
-    save_results(args.out / f"chat_shape_{args.shape}", text,
+    save_results(args.out / f"chat_shape_{args.shape}{tier_suffix(info.get('cpu_tier'))}", text,
                  {"shape": args.shape, "weights_bytes": weights, "tokenizer_pieces": pieces,
                   "max_new_tokens": args.max_new_tokens, "question": questions[args.question]["question_id"],
                   "runs": runs}, info)

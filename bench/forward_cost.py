@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import copy_bandwidth, machine_info, machine_line, read_bandwidth, rss_kb, save_results
+from bench.machine import copy_bandwidth, machine_info, machine_line, read_bandwidth, rss_kb, save_results, \
+    tier_suffix
 from bench.shapes import SHAPES, held_bytes, weight_bytes
 from tr_engine.cli.common import ArgumentParser, run
 from tr_engine.core.cost import time_steps
@@ -166,8 +167,7 @@ def shape_run(args, dtype: str, info: dict) -> list[str]:
         lines += [f"{method} by category group, each at its best size: "
                   + ", ".join(f"{grp} {b['speedup']:.2f}x ({b['tokens']} tokens, MAT {b['mat']:.2f})"
                               for grp, b in g["groups"].items()) + f"; geometric mean {g['geo_mean']:.2f}x.", ""]
-    stem = args.out / (f"forward_cost_{args.shape}_{dtype}" + (f"_{info['cpu_tier']}" if info.get("cpu_tier") == "amx"
-                                                                 else ""))
+    stem = args.out / f"forward_cost_{args.shape}_{dtype}{tier_suffix(info.get('cpu_tier'))}"
     lines.append(f"![cost curve]({stem.name}.png)")
     save_results(stem, "\n".join(lines) + "\n",
                  {"shape": args.shape, "dtype": dtype, "random_weights": True, "held_bytes": held,
@@ -206,8 +206,7 @@ def main(argv=None) -> int:
         seconds = {p: time_steps(engine.model, engine.cache, TREE_TOKENS, p, args.reps, with_argmax=False)
                    for p in args.prefixes}
         curves = {p: {T: s[T] / s[1] for T in TREE_TOKENS} for p, s in seconds.items()}
-        # (named by the kernel tier where it is not the one the earlier runs had: the amx tier's curve is its own)
-        name = f"forward_cost_{dtype}" + (f"_{info['cpu_tier']}" if info.get("cpu_tier") == "amx" else "")
+        name = f"forward_cost_{dtype}{tier_suffix(info.get('cpu_tier'))}"  # (each tier's curve its own)
         lines = [f"# Verify-forward cost on {args.model} ({dtype}), plain decode step = 1.0", "",
                  f"Machine: {machine_line(info)}. Median of {args.reps} forwards per size, sizes in alternation; "
                  "breadth-first 4-ary trees (the paper's 2.2.2 at 81 tokens).", "",

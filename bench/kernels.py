@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.machine import copy_bandwidth, machine_info, machine_line, multiply_add_peak, read_bandwidth, \
-    save_results
+    save_results, tier_suffix
 from bench.shapes import SHAPES, projections
 from tr_engine.cli.args import integer
 from tr_engine.cli.common import ArgumentParser, run
@@ -257,9 +257,8 @@ def main(argv=None) -> int:
               "the LM head. The \"projections\" rows run all of one forward's weights, each its own tensor, so they "
               "stream from memory as in a decode step or a verify: the case that matters. On a CPU the engine uses "
               "packed_linear for every dtype and row count; on a GPU, F.linear."]
-    stem = "kernels_cpu" if args.device == "cpu" and args.shape == "smollm2" else f"kernels_{args.device}_{args.shape}"
-    if tier is not None and tier != "avx512bf16":
-        stem += f"_{tier}"
+    stem = ("kernels_cpu" if args.device == "cpu" and args.shape == "smollm2" else f"kernels_{args.device}_{args.shape}"
+            ) + tier_suffix(tier)
     save_results(args.out / stem, "\n".join(lines) + "\n", {"shape": args.shape, "rows": rows}, info)
     print("\n".join(lines))
     return 0

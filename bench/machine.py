@@ -61,6 +61,13 @@ def save_results(stem: Path, text: str, record: dict, info: dict) -> str:
     return text
 
 
+def tier_suffix(tier: str | None) -> str:
+    """What a CPU result's file name adds for the kernel tier it ran on: "_<tier>", except for avx512bf16 (the tier of
+    the hosts the first results came from, which carry no suffix) and none (a GPU run). So an AMX host's run
+    (kernels_cpu_amx) or an AVX2 one's lies beside the AVX-512 host's instead of replacing it."""
+    return "" if tier in (None, "none", "avx512bf16") else f"_{tier}"
+
+
 def machine_line(info: dict) -> str:
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
     tier = f", kernel tier {info['cpu_tier']}" if info.get("cpu_tier") else ""

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from bench.ab import describe
+from bench.machine import tier_suffix
 from bench.shapes import SHAPES, projections
 from cli import assert_one_line_error, call_main, run_module
 from tr_engine.model import cpu
@@ -335,7 +336,7 @@ def test_forward_cost_at_a_shape_stands_the_step_against_its_floor_and_projects(
     proc = bench_main("bench.forward_cost", "--shape", "tiny", "--reps", "1", "--prefixes", "64", "--threads", "1",
                       "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    stem = tmp_path / ("forward_cost_tiny_bfloat16" + ("_amx" if cpu.choose().name == "amx" else ""))  # (its own)
+    stem = tmp_path / f"forward_cost_tiny_bfloat16{tier_suffix(cpu.choose().name)}"  # (each tier's its own)
     got = json.loads(stem.with_suffix(".json").read_text())
     assert got["read_gb_s"] > 0 and got["floor_s"] == pytest.approx(got["step_weight_bytes"] / got["read_gb_s"] / 1e9)
     assert got["relative"]["64"]["1"] == 1.0 and set(got["relative"]["64"]) >= {"8", "16", "64"}
@@ -416,7 +417,7 @@ def test_chat_shape_runs_the_chat_command_on_a_random_checkpoint_of_a_shape(tmp_
     proc = run_module("bench.chat_shape", "--shape", "tiny", "--max-new-tokens", "6", "--scratch", str(scratch),
                       "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
-    got = json.loads((tmp_path / "out" / "chat_shape_tiny.json").read_text())
+    got = json.loads((tmp_path / "out" / f"chat_shape_tiny{tier_suffix(cpu.choose().name)}.json").read_text())
     assert 300 <= got["tokenizer_pieces"] <= 1024  # the tiny shape's vocabulary bounds the trained pieces
     ar, default = got["runs"]["ar"], got["runs"]["default"]
     assert [t["method"] for t in ar["turns"]] == ["ar", "ar"] and [t["method"] for t in default["turns"]] == [
