@@ -106,6 +106,15 @@ constexpr int64_t kPrefetch = 4096;
 constexpr int64_t kPrefetchManyRows = 8192;
 constexpr int kManyRows = 3;
 
+// Whether a pass leads with prefetchnta rather than prefetcht1: bf16 pairs with the dot product, 2-4 rows. Measured on
+// an AMD EPYC (Zen 4), 2 threads, all of SmolLM2's projections from one process (no Python between them), while one row
+// streamed at ~52 GB/s: 2 rows 6.02 -> 5.10 ms (one row's 4.86-5.08), 3 rows 5.77 -> 5.30, 4 rows 5.60 -> 5.45; 1 row
+// took 1.04-1.08x with it, 5-8 rows 1.05-1.12x. While the memory ran at ~37 GB/s (the host's slow spells) it changed
+// nothing. Whole forwards at a 256-token prefix, the hints alternated in rotation: 2 / 3 / 4 tokens 6.72 -> 6.18 / 8.40
+// -> 7.20 / 8.35 -> 7.84 ms (a plain step 5.6), the same bits. Not measured on other tiers, which keep prefetcht1.
+template <typename T, int R>
+constexpr bool lead_once() { return std::is_same_v<T, bf16> && kBf16Dot && R >= 2 && R <= 4; }
+
 template <typename T>
 constexpr int64_t pack_width() { return std::is_same_v<T, bf16> ? 2 : 1; }
 
@@ -137,20 +146,27 @@ struct Prefetch {
 class Prefetcher {
  public:
   // `rows`: the pass's rows of x (how far ahead it leads: kPrefetch, or kPrefetchManyRows from kManyRows rows on).
-  Prefetcher(const Prefetch& plan, int64_t groups, int rows)
-      : lead_(plan.lead), next_(plan.ahead), share_(plan.bytes), per_line_(64 * groups),
+  // `once`: the lead's lines with prefetch_once (lead_once).
+  Prefetcher(const Prefetch& plan, int64_t groups, int rows, bool once = false)
+      : lead_(plan.lead), once_(once), next_(plan.ahead), share_(plan.bytes), per_line_(64 * groups),
         distance_(rows >= kManyRows ? kPrefetchManyRows : kPrefetch) {}
 
   // Before n groups from `group` on, `bytes` of lines each.
   void at(const void* group, int64_t bytes, int n) {
     if (lead_)
-      for (int64_t line = 0; line < n * bytes; line += 64) prefetch(static_cast<const char*>(group) + distance_ + line);
+      for (int64_t line = 0; line < n * bytes; line += 64) {
+        const char* p = static_cast<const char*>(group) + distance_ + line;
+        if (once_)
+          prefetch_once(p);
+        else
+          prefetch(p);
+      }
     if (next_ != nullptr)
       for (owed_ += n * share_; owed_ >= per_line_; owed_ -= per_line_, next_ += 64) prefetch(next_);
   }
 
  private:
-  bool lead_;
+  bool lead_, once_;
   const char* next_;
   int64_t share_, owed_ = 0, per_line_;  // owed_ in 1/groups bytes: after k groups, k * share / groups are due
   int64_t distance_;
@@ -250,7 +266,7 @@ TR_ENGINE_PASS void pass_p1(const float* x, int64_t ldx, const W* wb, int64_t gr
 template <int R, int V, bool carried = false, typename Y>
 TR_ENGINE_PASS void pass_bf16(const float* xt, const bf16* xb, int64_t ldx, const bf16* wb, int64_t groups, Y* y,
                               int64_t ldy, int c0, int valid, const Prefetch& plan, float* sums = nullptr) {
-  Prefetcher prefetcher(plan, groups, R);
+  Prefetcher prefetcher(plan, groups, R, lead_once<bf16, R>());
   Vec acc[R][V];
   start_tile<carried>(acc, sums, c0);
   over_groups(groups, 2 * kPackBlock * sizeof(bf16), reinterpret_cast<const char*>(wb), prefetcher, [&](int64_t k) {

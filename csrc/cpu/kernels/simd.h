@@ -54,6 +54,8 @@ void with_rows(int rows, F&& f) {
 
 // Ask for the cache line at p into L2 (prefetcht1 on x86, PRFM PLDL2KEEP on ARM): a hint, never a fault.
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }
+// Ask for it as a line read once (prefetchnta on x86, PRFM PLDL1STRM on ARM).
+inline void prefetch_once(const void* p) { __builtin_prefetch(p, 0, 0); }
 
 #if defined(TR_ENGINE_TIER_AVX512BF16) || defined(TR_ENGINE_TIER_AVX512)
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__FMA__)
