@@ -110,10 +110,10 @@ constexpr int kManyRows = 3;
 // rows. Measured on an AMD EPYC (Zen 4), 2 threads, all of SmolLM2's projections from one process (no Python between
 // them), while one row streamed at ~52 GB/s: bf16 2 rows 6.02 -> 5.10 ms (one row's 4.86-5.08), 3 rows 5.77 -> 5.30,
 // 4 rows 5.60 -> 5.45; float32 2 rows 12.8-13.5 -> 11.0-11.1 ms (one row's 10.1-10.8), 3 rows 1.00-1.05x the time,
-// 4 rows 12.0-12.6 -> 11.2-11.8. 1 row took 1.04-1.08x with it, 5-8 rows 1.05-1.12x; while the memory ran at ~37 GB/s (the
-// host's slow spells) it changed nothing. Whole bf16 forwards at a 256-token prefix, the hints alternated in rotation:
-// 2 / 3 / 4 tokens 6.72 -> 6.18 / 8.40 -> 7.20 / 8.35 -> 7.84 ms (a plain step 5.6), the same bits. Not measured on
-// other hosts or tiers (the amx tier's bf16 runs on its tiles), which keep prefetcht1.
+// 4 rows 12.0-12.6 -> 11.2-11.8. 1 row took 1.04-1.08x with it, 5-8 rows 1.05-1.12x; while the memory ran at ~37
+// GB/s (the host's slow spells) it changed nothing. Whole bf16 forwards at a 256-token prefix, the hints alternated
+// in rotation: 2 / 3 / 4 tokens 6.72 -> 6.18 / 8.40 -> 7.20 / 8.35 -> 7.84 ms (a plain step 5.6), the same bits. Not
+// measured on other hosts or tiers (the amx tier's bf16 runs on its tiles), which keep prefetcht1.
 template <typename T, int R>
 constexpr bool lead_once() {
   return (std::is_same_v<T, bf16> || std::is_same_v<T, float>) && kBf16Dot && !kAmx && R >= 2 && R <= 4;
