@@ -581,3 +581,24 @@ def test_the_memory_workload_is_what_its_script_writes(tmp_path):
                 for r in rows]
 
     assert shape(tmp_path / "m.jsonl") == shape(committed)
+
+
+@pytest.mark.parametrize("tier", [None, "scalar"])
+def test_native_rows_times_each_row_count_against_one_from_cpp(tmp_path, tier):
+    """bench.native_rows builds bench/native_rows.cpp, runs a shape's projections through the tier library from C++
+    and writes every row count's times with one row's always among them (what the others stand against)."""
+    proc = bench_main("bench.native_rows", "--shape", "tiny", "--dtypes", "bfloat16", "float32", "--rows", "3", "2",
+                      "--reps", "2", "--threads", "2", "--out", str(tmp_path), *(["--tier", tier] if tier else []))
+    assert proc.returncode == 0, proc.stderr
+    name = tier or cpu.choose().name
+    stem = tmp_path / f"native_rows_tiny_bfloat16_float32{tier_suffix(name)}"
+    got = json.loads(stem.with_suffix(".json").read_text())
+    assert got["machine"]["cpu_tier"] == name and got["rows"] == [1, 2, 3]
+    assert got["machine"]["threads"] == 2
+    for dtype in ("bfloat16", "float32"):
+        ms = got["ms"][dtype]
+        assert set(ms) == {"1", "2", "3"}
+        assert all(0 < v["min_ms"] <= v["median_ms"] for v in ms.values()), ms
+    text = stem.with_suffix(".md").read_text()
+    assert f"kernel tier {name}" in text and "| 1 |" in text and "1.00 |" in text
+    assert f"{len(projections(SHAPES['tiny']))} weights a pass" in text
