@@ -9,6 +9,7 @@
 // Prints one line per row count: "rows <r> median_ms <m> min_ms <m>", the row counts timed in alternation.
 #include "../csrc/cpu/kernels/api.h"
 #include "../csrc/cpu/kernels/numbers.h"
+#include "../csrc/cpu/kernels/packing.h"
 
 #include <dlfcn.h>
 
@@ -72,16 +73,6 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, ParallelBody body, 
 int threads() { return pool.threads; }
 const Host kHost{&parallel_for, &threads};
 
-// pack_linear's layout: wp[b, j, i, e] = w[32 b + i, P j + e], zeros past N and K.
-template <typename T>
-std::vector<T> pack(const std::vector<T>& w, int64_t N, int64_t K, int64_t P) {
-  const int64_t blocks = (N + 31) / 32, groups = (K + P - 1) / P;
-  std::vector<T> wp(blocks * groups * 32 * P, from_float<T>(0.f));
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) wp[((n / 32 * groups + k / P) * 32 + n % 32) * P + k % P] = w[n * K + k];
-  return wp;
-}
-
 template <typename T>
 void run(const TypedKernels<T>& ops, int64_t P, int reps, const std::vector<int>& rows,
          const std::vector<std::pair<int64_t, int64_t>>& shapes) {
@@ -92,7 +83,7 @@ void run(const TypedKernels<T>& ops, int64_t P, int reps, const std::vector<int>
   for (const auto& [N, K] : shapes) {
     std::vector<T> w(N * K);
     for (auto& e : w) e = from_float<T>(small(rng));
-    packed.push_back(pack(w, N, K, P));
+    packed.push_back(pack_weights(w, N, K, P));
     widest = std::max(widest, (K + P - 1) / P * P);
     most = std::max(most, N);
   }

@@ -5,6 +5,7 @@
 // check and exits non-zero if any fails. tests/test_cpu_tiers.py builds and runs it.
 #include "../csrc/cpu/kernels/api.h"
 #include "../csrc/cpu/kernels/numbers.h"
+#include "../csrc/cpu/kernels/packing.h"
 
 #include <dlfcn.h>
 #if defined(__x86_64__)
@@ -88,16 +89,6 @@ void conversions() {
 
 // ---- matmuls ----------------------------------------------------------------------------------------------------
 
-// pack_linear's layout: wp[b, j, i, e] = w[32 b + i, P j + e], zeros past N and K.
-template <typename T>
-std::vector<T> pack(const std::vector<T>& w, int64_t N, int64_t K, int64_t P) {
-  const int64_t blocks = (N + 31) / 32, groups = (K + P - 1) / P;
-  std::vector<T> wp(blocks * groups * 32 * P, from_float<T>(0.f));
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) wp[((n / 32 * groups + k / P) * 32 + n % 32) * P + k % P] = w[n * K + k];
-  return wp;
-}
-
 template <typename T>
 void matmuls(const Kernels& table, const char* name) {
   const TypedKernels<T>& ops = typed<T>(table);
@@ -106,7 +97,7 @@ void matmuls(const Kernels& table, const char* name) {
   for (auto [N, K] : {std::pair<int64_t, int64_t>{96, 576}, {33, 130}, {7, 6}}) {
     const int64_t rows = 20, groups = (K + P - 1) / P;
     const auto w = random<T>(N * K), x = random<T>(rows * K);
-    const auto wp = pack(w, N, K, P);
+    const auto wp = pack_weights(w, N, K, P);
     std::vector<T> y(rows * N), one(N);
     ops.packed_rows(x.data(), K, wp.data(), y.data(), rows, groups, N);
     double err = 0;
@@ -285,7 +276,7 @@ void layers(const Kernels& table, const char* name) {
   std::vector<std::vector<T>> store;
   std::vector<LayerWeights<T>> ws;
   auto packed = [&](int64_t N, int64_t K) {
-    store.push_back(pack(random<T>(N * K, 1.f / std::sqrt(float(K))), N, K, P));
+    store.push_back(pack_weights(random<T>(N * K, 1.f / std::sqrt(float(K))), N, K, P));
     return store.back().data();
   };
   for (int64_t l = 0; l < L; ++l) {
