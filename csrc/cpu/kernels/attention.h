@@ -727,12 +727,20 @@ void tree_attention_kernel(const SeqOperands<scalar_t>& s, int64_t P, double sca
     Acc* storage = reused<Acc>(Hkv * each, 0);
     const bool pairs = keys_as_pairs<scalar_t, Acc>(D);
     for (int64_t h = 0; h < Hkv; ++h) heads.emplace_back(D, keys, causal ? T : tree, ld, storage + h * each, pairs);
+    // The tree keys as floats only where the tasks score them from those (attend_rows): the tiles and the dot product
+    // gather theirs from the cache.
+#if defined(TR_ENGINE_AMX)
+    const bool tiles = amx_attention::applies<scalar_t, Acc>(D);
+#else
+    constexpr bool tiles = false;
+#endif
+    const int64_t filled = keys + (tiles || (kBf16Dot && pairs) ? 0 : tree);
     constexpr int64_t kFillBlock = 128;  // slots per conversion task
-    const int64_t fill_blocks = (P + T + kFillBlock - 1) / kFillBlock;
+    const int64_t fill_blocks = (filled + kFillBlock - 1) / kFillBlock;
     parallel_for(0, Hkv * fill_blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t h = i / fill_blocks, j0 = i % fill_blocks * kFillBlock;
-        fill_keys(heads[h], kp + h * s.head, slot_stride, j0, std::min(j0 + kFillBlock, P + T));
+        fill_keys(heads[h], kp + h * s.head, slot_stride, j0, std::min(j0 + kFillBlock, filled));
 #if defined(TR_ENGINE_AMX)
         if constexpr (std::is_same_v<scalar_t, bf16>)
           if (laid != nullptr && j0 < laid_np)
