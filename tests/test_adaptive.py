@@ -281,6 +281,25 @@ def test_one_plan_for_one_sequence_or_a_batch():
     assert [t.size for t, _ in trees.plan(m.table, m.confidence, list(range(6)), [100] * 6)] == [1] * 6
 
 
+def test_a_batch_drafts_only_where_the_gain_pays_for_the_drafters_own_host_work():
+    """A drafted batch step costs its verify plus the drafter's host work (retrieve, learn, recycle), which the plain
+    step it is compared with does without: observed a sequence at a time, priced in the curve's plain steps."""
+    trees = trained(AdaptiveTrees(CPU_LIKE))
+    m = sure_chain()
+    assert all(t.size > 1 for t, _ in trees.plan(m.table, m.confidence, [0, 5], [100, 100]))
+    trees.observe_host(2, 2 * 10.0)  # ten plain steps (CPU_LIKE's plain step is 1 s) of host work a sequence
+    assert trees.host_s == pytest.approx(10.0)
+    assert [t.size for t, _ in trees.plan(m.table, m.confidence, [0, 5], [100, 100])] == [1, 1]
+    assert plan(trees, m)[0].size > 1  # alone, a sequence's step times include its drafting: nothing added
+    for _ in range(200):  # a mean of the recent steps: cheap host work since, drafting again
+        trees.observe_host(2, 0.0)
+    assert trees.host_s < 0.01
+    assert all(t.size > 1 for t, _ in trees.plan(m.table, m.confidence, [0, 5], [100, 100]))
+    research = AdaptiveTrees(CPU_LIKE, pinned=True)  # a pinned curve prices nothing it did not give
+    research.observe_host(2, 100.0)
+    assert research.host_s == 0.0
+
+
 def test_graft_buffers():
     tree = build_tree([[0], [1], [0, 0]])
     g = graft(tree, [2, 4, 5])  # a chain of three under token index 2 (path [1])

@@ -306,6 +306,43 @@ def test_smollm2_a_batch_of_8_dev_questions_is_plain_decoding_alone(smollm2_dir,
         assert [r.token_ids for r in got] == sampled
 
 
+def test_a_batch_whose_plan_drafts_nothing_decodes_plainly_for_a_while(tiny64, monkeypatch):
+    """Where no tree pays (every token priced a plain step), a batch's plan drafts nothing, and the next PLAIN_STEPS
+    steps run without the drafter (no retrieve, no recycle); it plans again after them, or as soon as the batch
+    shrinks. The answers stay plain decoding's."""
+    import tr_engine.core.batch as batch
+    from curves import LINEAR
+    from tr_engine.core.adaptive import AdaptiveTrees
+
+    engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=4)
+    engine.use_cost(LINEAR)
+    free = alone(engine, PROMPTS[:4], 30)
+    engine.tokenizer.eos_ids = (free[1][6],)  # one request leaves early: the batch shrinks
+    want = alone(engine, PROMPTS[:4], 30)
+    steps, inner = [], batch.step
+
+    def step(model, caches, histories, drafter, *args, **kwargs):
+        drafts, accepted = inner(model, caches, histories, drafter, *args, **kwargs)
+        steps.append((len(histories), drafter is not None, [d.tree.size for d in drafts]))
+        return drafts, accepted
+
+    monkeypatch.setattr(batch, "step", step)
+    results = engine.generate_batch(PROMPTS[:4], max_new_tokens=30, method="hybrid")
+    assert [r.token_ids for r in results] == want
+    assert all(sizes == [1] * n for n, _, sizes in steps)
+    plain_for, size, expected = 0, 0, []  # the rule, step by step
+    for n, _, _ in steps:
+        drafts = not (plain_for and n >= size)
+        expected.append(drafts)
+        plain_for = AdaptiveTrees.PLAIN_STEPS if drafts and n > 1 else max(plain_for - 1, 0)
+        size = n if drafts else size
+    assert [d for _, d, _ in steps] == expected
+    sizes = [n for n, _, _ in steps]
+    assert len(set(sizes)) > 1 and 1 < sum(expected) < len(steps) / 3  # it shrank; planned a few times only
+    shrunk = next(i for i, n in enumerate(sizes) if n < sizes[0])
+    assert steps[shrunk][1]  # planned again at once
+
+
 def test_a_batch_stopped_midway_gives_its_slots_back(tiny64):
     """Ctrl-C, or a stream closed by its reader: the next batch has every slot and answers as usual."""
     engine = Engine.from_pretrained(tiny64, dtype="float64", max_batch=3)

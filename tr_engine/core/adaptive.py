@@ -234,6 +234,9 @@ class AdaptiveTrees:
     # percent at best, within the error of the estimates, while a wrong guess costs the whole batch's step
     # (bench/results/batch.md: at batch 16, drafting on a bare expected gain lost a few percent to plain decoding).
     BATCH_MARGIN = 0.05
+    # A batch whose plan drafts nothing decodes plainly (no drafter at all: neither its retrieve nor its recycle) for
+    # this many steps, then plans again (tr_engine/core/batch.py); sooner when the batch shrinks.
+    PLAIN_STEPS = 8
 
     def __init__(self, cost: CostModel | None, max_tokens: int = 128, refresh: int = 8, device="cpu",
                  pinned: bool = False, shard: Shard = ALONE):
@@ -247,6 +250,8 @@ class AdaptiveTrees:
         self.max_step_tokens = self.buckets[-1]
         self._since = refresh  # rates on first use
         self._trees = TreeCache(1024)  # the trees planned lately, by their rank paths
+        self.host_s = 0.0  # the drafter's host seconds a sequence of a batched step (retrieve, learn, recycle): a mean
+        self._host_n = 0
 
     @property
     def cost(self) -> CostModel | None:
@@ -270,6 +275,16 @@ class AdaptiveTrees:
         if not self.pinned:
             self.times.observe(tokens, prefix, self.shard.agree(seconds))
 
+    def observe_host(self, sequences: int, seconds: float) -> None:
+        """A batched step of `sequences` spent `seconds` on the drafter's own host work: drafting (planning included),
+        learning and recycling, what a plain step does not do. Kept as a decayed mean a sequence, which `plan` adds to
+        a drafted batch's cost."""
+        if self.pinned:
+            return
+        per, n = self.shard.agree(seconds) / sequences, self._host_n
+        self.host_s += max(1 / (n + 1), 1 / StepTimes.RECENT) * (per - self.host_s)
+        self._host_n = n + 1
+
     def plan(self, table, confidence, roots: list[int], prefixes: list[int],
              extras: list[Candidates] | None = None) -> list[tuple[DraftTree, list[int]]]:
         """One step's trees, one per sequence (one or many), and which of its candidates from outside the matrix
@@ -286,15 +301,17 @@ class AdaptiveTrees:
         cost of n tokens is the curve's at the batch's mean prefix and the smallest measured size holding them: a
         step runs padded to that size under CUDA graphs, and on a CPU the kernels' cost moves in steps of their row
         tiles (bench/results/forward_cost_*.md), which a line between two sizes would underprice. Candidates are
-        taken while a bigger step could still beat the best so far; a batch of more than one drafts only if its
-        best plan beats plain decoding by BATCH_MARGIN."""
+        taken while a bigger step could still beat the best so far. A batch of more than one drafts only if its best
+        plan beats plain decoding by BATCH_MARGIN, its cost counting the drafter's own host work (observe_host), which
+        the plain step it is compared with does without."""
         if self._since >= self.refresh:
             self._rates, self._since = [stats.rates() for stats in self.stats], 0
         B = len(roots)
         extras = extras or [NO_CANDIDATES] * B
         rates = [self._rates[context_of(x)] for x in extras]  # per sequence: its context's rates
         kids = [x.children() for x in extras]
-        curve = self.times.curve(sum(prefixes) // B)
+        prefix = sum(prefixes) // B
+        curve = self.times.curve(prefix)
         sizes = [T for T in self.buckets if T in curve]  # a curve measured in a small cache stops early
 
         def cost(n: int) -> float:  # the smallest measured size holding n tokens (past the largest: in proportion)
@@ -324,7 +341,10 @@ class AdaptiveTrees:
         path_of, extra_of = [{0: ()} for _ in roots], [{(): 0} for _ in roots]
         taken_extra, taken_tree = [set() for _ in roots], [{} for _ in roots]  # {(parent path, token): path}
         taken, total, expected = [], B, float(B)
-        margin = self.BATCH_MARGIN if B > 1 else 0.0
+        margin, host = 0.0, 0.0  # (one sequence alone: its step seconds, drafting included, price its trees)
+        if B > 1:
+            plain_s = self.times.model.seconds(1, prefix)
+            margin, host = self.BATCH_MARGIN, B * self.host_s / plain_s if plain_s > 0 else 0.0
         best, best_value, self.expected = 0, B / cost(B) * (1 + margin), float(B)
         while heap and total < sizes[-1]:
             neg, b, _, node = heapq.heappop(heap)
@@ -347,10 +367,10 @@ class AdaptiveTrees:
                 path_of[b][node], extra_of[b][path] = path, node
             if not twin:
                 total, expected = total + 1, expected - neg
-            if expected / cost(total) > best_value:
-                best, best_value, self.expected = len(taken), expected / cost(total), expected
+            if expected / (cost(total) + host) > best_value:
+                best, best_value, self.expected = len(taken), expected / (cost(total) + host), expected
             top = -heap[0][0] if heap else 0.0  # no bigger step can win once even the best candidates cannot
-            if all((expected + top * (U - total)) / cost(U) <= best_value for U in sizes if U > total):
+            if all((expected + top * (U - total)) / (cost(U) + host) <= best_value for U in sizes if U > total):
                 break
         paths, chosen = [[] for _ in roots], [[] for _ in roots]
         for b, node in taken[:best]:

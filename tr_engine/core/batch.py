@@ -131,7 +131,9 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
     rest: the same bits as a cold prefill, the kernels being row-independent. `seed_matrix(ids, logits)`, if given,
     receives every prefill's logits at each prefilled position (Token Recycling's optional prompt seeding). With
     `plain_above`, a step of more sequences than that decodes plainly (--speculative-config's disable_by_batch_size);
-    a request's `max_draft` caps its own drafts. `pace()`, if given, is called before each step (the engine's CPU
+    a request's `max_draft` caps its own drafts. A batch of several whose adaptive plan drafts nothing (no tree pays for
+    its verify and the drafter's own host work) decodes plainly, without the drafter, for its PLAIN_STEPS steps or
+    until the batch shrinks, then plans again. `pace()`, if given, is called before each step (the engine's CPU
     thread count following the machine's load: tr_engine/model/threads.py). With `prefill_chunk`, a prompt of more
     new tokens than that which joins while other requests decode is prefilled that many tokens at a time, one chunk
     between two steps, where chunks are exact (model.chunks_exact; elsewhere whole, as without it)."""
@@ -197,6 +199,8 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
         return event
 
     remember = getattr(drafter, "remember", None)  # a drafter that learns from whole sequences (a suffix index)
+    adaptive = getattr(drafter, "adaptive", None)
+    plain_for, plain_size = 0, 0  # steps left to decode plainly, while the batch keeps at least plain_size sequences
 
     def finish(r: Request) -> Generation:
         view = cache.view(r.slot)  # the cache keeps the sequence only: every committed token but the last
@@ -242,13 +246,18 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 continue
             order = sorted(active.values(), key=lambda r: r.id)  # request order: the order they recycle in
             slots = [r.slot for r in order]
-            drafting = drafter if plain_above is None or len(order) <= plain_above else None
+            drafting = drafter if (plain_above is None or len(order) <= plain_above) and not (
+                plain_for and len(order) >= plain_size) else None
+            plain_for = max(plain_for - 1, 0)
             limits = None if all(r.max_draft is None for r in order) else [
                 None if r.max_draft is None else r.max_draft + 1 for r in order]
             drafts, accepted = step(model, [cache.view(s) for s in slots], [r.history for r in order], drafting, ops,
                                     [r.sampler for r in order], [len(r.out) for r in order],
                                     verify_many=lambda drafts: verify_batch(model, cache, slots, drafts), clock=clock,
                                     limits=limits)
+            if drafting is not None and len(order) > 1 and adaptive is not None and \
+                    all(d.tree.size == 1 for d in drafts):  # nothing pays: no drafter for a while, unless it shrinks
+                plain_for, plain_size = adaptive.PLAIN_STEPS, len(order)
             now = time.perf_counter()
             spent = {phase: clock.seconds[phase] - before.get(phase, 0.0) for phase in clock.seconds}
             before = dict(clock.seconds)

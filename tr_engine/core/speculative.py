@@ -175,7 +175,7 @@ def step(model: Llama, caches: list[KVCache], histories: list[list[int]], drafte
     clock = clock or PhaseClock()
     clock.start()
     drafts = retrieve(drafter, histories, caches, limits)
-    clock.lap("retrieve")
+    drafted = clock.lap("retrieve")
     logits, rows, top = verify_all(model, caches, drafts, drafter, samplers, verify_many)
     clock.lap("verify")
     accepted = [accept(d, top[1][:, 0]) if top is not None
@@ -187,9 +187,12 @@ def step(model: Llama, caches: list[KVCache], histories: list[list[int]], drafte
         compact(cache, path, ops)
     seconds = clock.lap("compact")  # drafting to compaction: what the adaptive tree prices
     if drafter is not None:
-        learn(drafter, drafts, accepted, seconds)
+        learn(drafter, drafts, accepted, seconds, drafted)
         recycle(drafter, drafts, logits, rows, top)
-    clock.lap("recycle")
+    ended = clock.lap("recycle")
+    adaptive = getattr(drafter, "adaptive", None)
+    if len(drafts) > 1 and adaptive is not None:  # the drafter's own host work, which a plain step does without
+        adaptive.observe_host(len(drafts), drafted + ended - seconds)
     return drafts, accepted
 
 
@@ -207,15 +210,17 @@ def verify_all(model: Llama, caches: list[KVCache], drafts: list[Draft], drafter
     return logits, [logits], None
 
 
-def learn(drafter, drafts: list[Draft], accepted, seconds: float) -> None:
+def learn(drafter, drafts: list[Draft], accepted, seconds: float, drafted: float = 0.0) -> None:
     """The drafter's statistics from what each sequence accepted; the adaptive tree's step times: alone, the step's
-    seconds; in a batch, the whole forward's tokens at the batch's mean prefix (what AdaptiveTrees.plan prices)."""
+    `seconds` (drafting to compaction); in a batch, the whole forward's tokens at the batch's mean prefix (what
+    AdaptiveTrees.plan prices), less the `drafted` seconds of drafting, which the plan counts apart (observe_host)."""
     one = len(drafts) == 1
     for d, (_, tokens) in zip(drafts, accepted):
         drafter.learn(d, tokens, seconds if one else 0.0)
     adaptive = getattr(drafter, "adaptive", None)
     if not one and adaptive is not None:
-        adaptive.observe_step(sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts), seconds)
+        adaptive.observe_step(sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts),
+                              seconds - drafted)
 
 
 def recycle(drafter, drafts: list[Draft], logits, rows, top) -> None:
