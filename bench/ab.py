@@ -27,6 +27,13 @@ answers agree.
 
 `--curve FILE` gives both sides one curve from a file (a cached curve of $TR_ENGINE_HOME/costs/, or one a bad spell
 measured): how each checkout's planning copes with that curve.
+
+`--batch N` compares batched decoding (generate_batch, up to N sequences a forward, as bench.batch runs it): each side
+warms its matrix and suffix index on 4 other questions, keeps that state, and answers all the questions at once from
+it, `--rounds` times, the two sides alternating round by round (A B, then B A). Forwards are then sequence-steps (a
+request's share of a batched forward), and ms per forward the decode's seconds over them.
+
+    python -m bench.ab --before /tmp/before --dtypes bfloat16 --questions 16 --batch 16 --rounds 6 --shared-curve
 """
 
 import json
@@ -34,9 +41,11 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SIDES = ("before", "after")
+WARM = 4  # --batch: the questions that warm each side's matrix and suffix index first
 
 
 def worker() -> None:
@@ -44,7 +53,8 @@ def worker() -> None:
     from tr_engine.engine import Engine
 
     config = json.loads(sys.stdin.readline())
-    engine = Engine.from_pretrained(config["model"], dtype=config["dtype"], threads=config["threads"])
+    engine = Engine.from_pretrained(config["model"], dtype=config["dtype"], threads=config["threads"],
+                                    **({"max_batch": config["batch"]} if config.get("batch") else {}))
     # Measured afresh before the first timed question, the two sides one after the other: a cached curve may come
     # from another spell of this machine (one measured while it was slow priced a 6-token fp32 verify at one plain
     # step, its trees grew, and hybrid read 0.970x against a side that had measured its own).
@@ -66,11 +76,42 @@ def worker() -> None:
     print(json.dumps({"ready": True, "curve": {"sizes": list(cost.buckets), "prefixes": list(cost.prefixes),
                                                "relative": cost.relative, "plain_s": cost.plain_s},
                       "tier": getattr(engine, "cpu_tier", None)}), flush=True)
+    if config.get("batch"):
+        batches(engine, config)
+        return
     for line in sys.stdin:
         r = engine.generate(json.loads(line), config["max_new_tokens"], method=config["method"])
         g = r.generation
         print(json.dumps({"token_ids": r.token_ids, "seconds": g.prefill_s + g.decode_s, "decode_s": g.decode_s,
                           "forwards": g.steps, "verified": sum(g.verify_tokens) or g.steps}), flush=True)
+
+
+def batches(engine, config: dict) -> None:
+    """The worker of --batch: warm the shared matrix and suffix index on config["warm"], then answer each line's
+    prompts with generate_batch from that warm state; one JSON answer per line on stdout."""
+    for prompt in config["warm"]:
+        engine.generate(prompt, config["max_new_tokens"], method=config["method"])
+    matrix = engine.matrix.table.clone(), engine.matrix.confidence.clone()
+    index = getattr(getattr(engine, "drafting", None), "suffix", None)
+    held = None
+    if index is not None:
+        from tr_engine.core.suffix import BYTES_PER_TOKEN, SuffixIndex
+
+        held = SuffixIndex(index.vocab_size, index.capacity * BYTES_PER_TOKEN)
+        held.copy_(index)
+    for line in sys.stdin:
+        engine.matrix.copy_(*matrix)  # every round from the warm state: none drafts from an earlier round's answers
+        if held is not None:
+            index.copy_(held)
+        t0 = time.perf_counter()
+        results = engine.generate_batch(json.loads(line), config["max_new_tokens"], method=config["method"],
+                                        batch_size=config["batch"])
+        wall = time.perf_counter() - t0
+        prefill = sum(r.generation.prefill_s for r in results)  # (between steps: nothing decodes meanwhile)
+        print(json.dumps({"token_ids": [r.token_ids for r in results], "seconds": wall, "decode_s": wall - prefill,
+                          "forwards": sum(r.generation.steps for r in results),
+                          "verified": sum(sum(r.generation.verify_tokens) or r.generation.steps for r in results)}),
+              flush=True)
 
 
 class Worker:
@@ -100,11 +141,16 @@ def run(args) -> dict:
     from bench.specbench import group_of, load_questions
 
     questions = load_questions(args.questions_file, None, None)
-    chosen = questions[:: max(len(questions) // args.questions, 1)][: args.questions]
+    warm = []
+    if args.batch:  # (bench.batch's choice: the questions and, after them, the 4 that warm the matrix)
+        spread = questions[:: max(len(questions) // (args.questions + WARM), 1)]
+        chosen, warm = spread[: args.questions], [q["turns"][0] for q in spread[args.questions : args.questions + WARM]]
+    else:
+        chosen = questions[:: max(len(questions) // args.questions, 1)][: args.questions]
     out = {}
     for dtype in args.dtypes:
         config = dict(model=args.model, dtype=dtype, threads=args.threads, method=args.method,
-                      max_new_tokens=args.max_new_tokens)
+                      max_new_tokens=args.max_new_tokens, batch=args.batch, warm=warm)
         given = curve_file(args.curve) if args.curve else None
         workers = {"after": Worker(Path(args.after), {**config, "curve": given}, args.after_tier)}
         try:
@@ -115,7 +161,9 @@ def run(args) -> dict:
             raise
         rows = []
         try:
-            for i, q in enumerate(chosen):
+            if args.batch:
+                rows = rounds(workers, chosen, args.rounds, dtype)
+            for i, q in enumerate([] if args.batch else chosen):
                 prompt = [{"role": "user", "content": q["turns"][0]}]
                 order = SIDES if i % 2 == 0 else SIDES[::-1]
                 answers = {side: workers[side].ask(prompt) for side in order}
@@ -145,8 +193,27 @@ def run(args) -> dict:
                       "tiers": {s: workers[s].tier for s in SIDES},
                       "per_forward_ms": per_forward_ms, "verified_per_forward": verified,
                       "median_ratio": statistics.median(ratios), "ratio_range": [ratios[0], ratios[-1]],
-                      "identical": sum(r["identical"] for r in rows), "questions": len(rows)}
+                      "identical": sum(r["identical"] for r in rows),
+                      "questions": sum(r.get("requests", 1) for r in rows)}
     return out
+
+
+def rounds(workers: dict, chosen: list[dict], count: int, dtype: str) -> list[dict]:
+    """--batch: every question at once, `count` times, the sides alternating; a row a round (identical: requests)."""
+    prompts = [[{"role": "user", "content": q["turns"][0]}] for q in chosen]
+    rows = []
+    for i in range(count):
+        order = SIDES if i % 2 == 0 else SIDES[::-1]
+        answers = {side: workers[side].ask(prompts) for side in order}
+        rows.append({"question_id": None, "group": f"round {i + 1}", **{f"{s}_s": answers[s]["seconds"] for s in SIDES},
+                     **{f"{s}_{k}": answers[s][k] for s in SIDES for k in ("decode_s", "forwards", "verified")},
+                     **{f"{s}_tokens": sum(map(len, answers[s]["token_ids"])) for s in SIDES},
+                     "identical": sum(a == b for a, b in zip(answers["before"]["token_ids"],
+                                                             answers["after"]["token_ids"])),
+                     "requests": len(prompts)})
+        print(f"{dtype} round {i + 1}/{count}: before {rows[-1]['before_s']:.2f}s after {rows[-1]['after_s']:.2f}s",
+              file=sys.stderr)
+    return rows
 
 
 def describe(checkout: Path) -> str:
@@ -188,12 +255,16 @@ def write(path: Path, data: dict, info: dict, args) -> str:
         args, s + "_tier")) else "") for s in SIDES)
     lines = [f"# Before ({before}) and after ({after})", "",
              f"{machine_line(info)}. {args.method}, greedy, {args.max_new_tokens} new tokens at most, {args.threads} "
-             f"threads; {args.questions} questions of {args.questions_file.name} (first turns), interleaved question "
-             "by question in two warm processes, each from an empty matrix and "
+             f"threads; {args.questions} questions of {args.questions_file.name} (first turns), "
+             + (f"all at once through generate_batch (up to {args.batch} a forward), {args.rounds} rounds alternating "
+                f"in two warm processes, each round from the state {WARM} other questions left (forwards: "
+                "sequence-steps), and " if args.batch else
+                "interleaved question by question in two warm processes, each from an empty matrix and ")
              + (f"the cost curve of {args.curve}." if args.curve else
                 "the cost curve the after side measured at its start." if args.shared_curve
                 else "a cost curve it measured at its start."), "",
-             "| dtype | before tok/s | after tok/s | after/before | per-question median (min-max) | identical "
+             f"| dtype | before tok/s | after tok/s | after/before | per-{'round' if args.batch else 'question'} "
+             "median (min-max) | identical "
              "| forwards before/after | ms per forward before/after | tokens verified per forward before/after "
              "| an 8-token verify in plain steps before/after | prefill seconds before/after |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -208,13 +279,15 @@ def write(path: Path, data: dict, info: dict, args) -> str:
                      f"{d['prefill_s']['after']:.2f} |")
     meta = {"before": before, "after": after, "method": args.method, "shared_curve": args.shared_curve,
             "curve": str(args.curve) if args.curve else None,
-            "max_new_tokens": args.max_new_tokens, "threads": args.threads}
+            "max_new_tokens": args.max_new_tokens, "threads": args.threads, "batch": args.batch,
+            "rounds": args.rounds if args.batch else None}
     return save_results(path, "\n".join(lines) + "\n", {**meta, **data}, info)
 
 
 def main(argv=None) -> int:  # (the imports here, not at the top: a worker imports its own checkout's tr_engine alone)
     from bench.machine import machine_info
     from bench.specbench import DEFAULT_QUESTIONS
+    from tr_engine.cli.args import integer
     from tr_engine.cli.common import ArgumentParser
 
     ap = ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
@@ -234,6 +307,9 @@ def main(argv=None) -> int:  # (the imports here, not at the top: a worker impor
                     help="both sides plan with the after side's cost curve (the kernels and loop compared alone)")
     ap.add_argument("--curve", type=Path, default=None, metavar="FILE",
                     help="both sides plan with the cost curve in FILE (a JSON curve as $TR_ENGINE_HOME/costs/ holds)")
+    ap.add_argument("--batch", type=integer(1, 64), default=None, metavar="N",
+                    help="compare batched decoding: all the questions at once, up to N a forward, --rounds times")
+    ap.add_argument("--rounds", type=integer(1, 100), default=4, help="--batch: rounds of all the questions")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ab")
     args = ap.parse_args(argv)
     for side in SIDES:

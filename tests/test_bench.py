@@ -229,6 +229,31 @@ def test_ab_interleaves_two_checkouts(tiny_factory, tmp_path):
     assert_one_line_error(bad, "nowhere", "not a tr-engine checkout")
 
 
+def test_ab_compares_two_checkouts_batched_round_by_round(tiny_factory, tmp_path):
+    """bench.ab --batch: each side warms on other questions, then answers all of them at once, round after round
+    from that warm state, the sides alternating: the same tokens every round, and both sides alike."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"Say {i} things."]})
+                                 + "\n" for i in range(8)))
+    out, repo = tmp_path / "ab" / "batch", str(Path(__file__).parents[1])
+    proc = run_module("bench.ab", "--before", repo, "--after", repo, "--model", str(tiny_factory("bench-ab")),
+                      "--dtypes", "float32", "--questions", "3", "--questions-file", str(questions),
+                      "--max-new-tokens", "6", "--threads", "1", "--out", str(out), "--batch", "2", "--rounds", "3",
+                      "--shared-curve")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.with_suffix(".json").read_text())
+    run = data["float32"]
+    assert data["batch"] == 2 and data["rounds"] == 3
+    assert run["questions"] == 9 and run["identical"] == 9  # three requests a round
+    assert [r["group"] for r in run["rows"]] == ["round 1", "round 2", "round 3"]
+    tokens = {r["after_tokens"] for r in run["rows"]} | {r["before_tokens"] for r in run["rows"]}
+    assert len(tokens) == 1 and 3 <= tokens.pop() <= 18  # lossless: every round, every request its plain answer
+    assert all(r["after_verified"] >= r["after_forwards"] >= 3 for r in run["rows"])  # sequence-steps
+    assert "up to 2 a forward), 3 rounds" in out.with_suffix(".md").read_text()
+    bad = run_module("bench.ab", "--before", repo, "--batch", "0", "--out", str(out))
+    assert_one_line_error(bad, "--batch")
+
+
 @pytest.mark.slow
 def test_batch_bench_on_a_tiny_model(tiny_factory, tmp_path):
     questions = tmp_path / "q.jsonl"
