@@ -29,7 +29,8 @@ answers agree.
 measured): how each checkout's planning copes with that curve.
 
 `--batch N` compares batched decoding (generate_batch, up to N sequences a forward, as bench.batch runs it): each side
-warms its matrix and suffix index on 4 other questions, keeps that state, and answers all the questions at once from
+warms its matrix and suffix index on the file's own warm-up rows (bench/data/memory.jsonl has them) or else on 4 other
+questions, keeps that state, and answers all the questions at once from
 it, `--rounds` times, the two sides alternating round by round (A B, then B A). Forwards are then sequence-steps (a
 request's share of a batched forward), and ms per forward the decode's seconds over them.
 
@@ -138,13 +139,15 @@ class Worker:
 
 
 def run(args) -> dict:
-    from bench.specbench import group_of, load_questions
+    from bench.specbench import group_of, load_questions, warm_up_questions
 
     questions = load_questions(args.questions_file, None, None)
     warm = []
-    if args.batch:  # (bench.batch's choice: the questions and, after them, the 4 that warm the matrix)
-        spread = questions[:: max(len(questions) // (args.questions + WARM), 1)]
-        chosen, warm = spread[: args.questions], [q["turns"][0] for q in spread[args.questions : args.questions + WARM]]
+    if args.batch:  # (bench.batch's choice: the questions and the file's own warm-up rows, else the 4 after them)
+        own = warm_up_questions(args.questions_file, 0)
+        spread = questions[:: max(len(questions) // (args.questions + (0 if own else WARM)), 1)]
+        chosen = spread[: args.questions]
+        warm = [q["turns"][0] for q in own or spread[args.questions : args.questions + WARM]]
     else:
         chosen = questions[:: max(len(questions) // args.questions, 1)][: args.questions]
     out = {}
@@ -257,7 +260,7 @@ def write(path: Path, data: dict, info: dict, args) -> str:
              f"{machine_line(info)}. {args.method}, greedy, {args.max_new_tokens} new tokens at most, {args.threads} "
              f"threads; {args.questions} questions of {args.questions_file.name} (first turns), "
              + (f"all at once through generate_batch (up to {args.batch} a forward), {args.rounds} rounds alternating "
-                f"in two warm processes, each round from the state {WARM} other questions left (forwards: "
+                f"in two warm processes, each round from the state the warm-up questions left (forwards: "
                 "sequence-steps), and " if args.batch else
                 "interleaved question by question in two warm processes, each from an empty matrix and ")
              + (f"the cost curve of {args.curve}." if args.curve else
