@@ -193,25 +193,6 @@ def test_one_slow_first_step_does_not_price_a_size_out():
     assert curve[3] <= curve[4] == pytest.approx(CPU_LIKE.cost(4, 100))
 
 
-def test_batches_learn_their_step_times_apart_by_how_many_sequences_share_a_forward():
-    """One sequence's steps, and each batch class's (2-3, 4-7, 8-15 ... sequences), correct their own curves: a batch
-    of 8 whose drafted steps cost 4x the calibration drafts less, while one sequence and a batch of 4 plan as before."""
-    trees = trained(AdaptiveTrees(CPU_LIKE))
-    m = sure_chain()
-    roots = lambda n: list(range(n))  # noqa: E731
-    sizes = lambda n: sum(t.size for t, _ in trees.plan(m.table, m.confidence, roots(n), [100] * n))  # noqa: E731
-    alone, four, eight = plan(trees, m)[0].size, sizes(4), sizes(8)
-    assert trees.times_for(1) is trees.times and trees.times_for(9) is trees.times_for(8) is not trees.times_for(4)
-    for T in BUCKETS:  # a batch of 8 to 15: every size beyond the plain step's costs 4x what was said
-        for _ in range(60):
-            trees.observe_step(T, 100, (4.0 if T > 8 else 1.0) * CPU_LIKE.seconds(T, 100), sequences=12)
-    assert trees.times.factor == {} and trees.times_for(4).factor == {}  # the others learned nothing from it
-    assert trees.times_for(8).factor[16] > 3.5 and trees.times_for(8).factor[8] == pytest.approx(1.0)
-    assert sizes(8) < eight and plan(trees, m)[0].size == alone and sizes(4) == four
-    trees.cost = curve(lambda T: 1.0)  # a new calibration: every class learns afresh
-    assert trees.times_for(8).factor == {}
-
-
 def test_the_decode_loop_times_its_steps_for_the_adaptive_tree(tiny):
     d = drafter("hybrid", CPU_LIKE, tiny.config.vocab_size)
     generate(tiny, d, [5, 6, 7, 8] * 4, 30)

@@ -244,7 +244,6 @@ class AdaptiveTrees:
         self.refresh, self.device = refresh, device
         self.shard = shard  # under tensor parallelism every rank must plan the same trees: step times are agreed
         self._cost, self.times = None, None  # (none yet: the engine sets its curve at the first decode)
-        self._batch_times: dict[int, StepTimes] = {}  # by batch class (times_for)
         self.cost = cost
         self.pinned = pinned  # the cost curve stays the one given: the engine does not set it, steps do not correct it
         self.buckets = tuple(T for T in BUCKETS if T <= max_tokens)
@@ -263,22 +262,6 @@ class AdaptiveTrees:
         if cost is not self._cost:  # a new curve (a first one, a recalibration): learn afresh
             self._cost = cost
             self.times = StepTimes(cost) if cost is not None else None
-            self._batch_times = {}
-
-    def times_for(self, sequences: int) -> StepTimes:
-        """The step times of forwards shared by `sequences` sequences: one sequence's (`times`), or those of its batch
-        class (2-3, 4-7, 8-15, 16-31 ... sequences), each learned apart. At one size a step costs more the more
-        sequences share it (their rows attend to as many caches): on the Zen 4 host, bf16, a batch-8 step of 8 tokens
-        took 1.43x the curve's 8-token verify, a batch-4 one of 4 tokens 0.92x its 4-token one, and one sequence's
-        6-token steps 0.89x. Learned together, each batch size priced its steps by the others' (the sizes a batch of 8
-        steps at are the ones a batch of 4 drafts at), and one sequence after a busy spell by all of theirs."""
-        if sequences == 1:
-            return self.times
-        c = 1 << (sequences.bit_length() - 1)
-        times = self._batch_times.get(c)
-        if times is None:
-            times = self._batch_times[c] = StepTimes(self._cost)
-        return times
 
     def observe(self, rows: list[list[int]], confidences: list[list[float]], targets: list[int],
                 context: int = 0) -> None:
@@ -287,11 +270,10 @@ class AdaptiveTrees:
         self.stats[context].observe(rows, confidences, targets)
         self._since += 1
 
-    def observe_step(self, tokens: int, prefix: int, seconds: float, sequences: int = 1) -> None:
-        """A verify of `tokens` tokens after `prefix` (a batch's: its sequences' mean) took `seconds`: one sequence's
-        drafting to compaction, a batch's verify to compaction (its drafting is priced apart: observe_host)."""
+    def observe_step(self, tokens: int, prefix: int, seconds: float) -> None:
+        """A verify of `tokens` tokens after `prefix` took `seconds`, drafting to compaction."""
         if not self.pinned:
-            self.times_for(sequences).observe(tokens, prefix, self.shard.agree(seconds))
+            self.times.observe(tokens, prefix, self.shard.agree(seconds))
 
     def observe_host(self, sequences: int, seconds: float) -> None:
         """A batched step of `sequences` spent `seconds` on the drafter's own host work: drafting (planning included),
@@ -329,8 +311,7 @@ class AdaptiveTrees:
         rates = [self._rates[context_of(x)] for x in extras]  # per sequence: its context's rates
         kids = [x.children() for x in extras]
         prefix = sum(prefixes) // B
-        times = self.times_for(B)
-        curve = times.curve(prefix)
+        curve = self.times.curve(prefix)
         sizes = [T for T in self.buckets if T in curve]  # a curve measured in a small cache stops early
 
         def cost(n: int) -> float:  # the smallest measured size holding n tokens (past the largest: in proportion)
@@ -362,7 +343,7 @@ class AdaptiveTrees:
         taken, total, expected = [], B, float(B)
         margin, host = 0.0, 0.0  # (one sequence alone: its step seconds, drafting included, price its trees)
         if B > 1:
-            plain_s = times.model.seconds(1, prefix)
+            plain_s = self.times.model.seconds(1, prefix)
             margin, host = self.BATCH_MARGIN, B * self.host_s / plain_s if plain_s > 0 else 0.0
         best, best_value, self.expected = 0, B / cost(B) * (1 + margin), float(B)
         while heap and total < sizes[-1]:

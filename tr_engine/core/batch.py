@@ -261,9 +261,6 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
             now = time.perf_counter()
             spent = {phase: clock.seconds[phase] - before.get(phase, 0.0) for phase in clock.seconds}
             before = dict(clock.seconds)
-            if drafting is None and len(order) > 1 and adaptive is not None:  # a plain batch step's time: what a
-                plain = spent["verify"] + spent["accept"] + spent["compact"]  # plan compares its drafts with
-                adaptive.observe_step(len(order), sum(d.prefix for d in drafts) // len(order), plain, len(order))
             for r, draft, (path, tokens) in zip(order, drafts, accepted):
                 for phase, seconds in spent.items():
                     r.phase_s[phase] += seconds

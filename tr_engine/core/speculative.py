@@ -220,7 +220,7 @@ def learn(drafter, drafts: list[Draft], accepted, seconds: float, drafted: float
     adaptive = getattr(drafter, "adaptive", None)
     if not one and adaptive is not None:
         adaptive.observe_step(sum(d.tree.size for d in drafts), sum(d.prefix for d in drafts) // len(drafts),
-                              seconds - drafted, len(drafts))
+                              seconds - drafted)
 
 
 def recycle(drafter, drafts: list[Draft], logits, rows, top) -> None:
