@@ -300,6 +300,25 @@ def test_a_batch_drafts_only_where_the_gain_pays_for_the_drafters_own_host_work(
     assert research.host_s == 0.0
 
 
+def test_a_plan_keeps_the_tokens_and_rows_it_read_for_the_steps_other_host_work():
+    """What the plan read, kept until the step recycles: each tree's tokens as the matrix would gather them for it
+    (root first, in the tree's order), and the rows it read by token, as they stand in the matrix."""
+    g = torch.Generator().manual_seed(3)
+    m = RecyclingMatrix(64, 8)
+    m.table.copy_(torch.randint(0, 64, (64, 8), generator=g))
+    m.confidence.copy_(torch.rand(64, 8, generator=g).softmax(dim=-1).half())
+    m.confidence[:, 0] = 0.97  # (rank 0 as sure as the trained rates say, so the trees go deep)
+    trees = trained(AdaptiveTrees(CPU_LIKE))
+    for roots in ([5], [1, 2, 3, 9], [7, 7]):
+        plans = trees.plan(m.table, m.confidence, roots, [100] * len(roots))
+        assert len(trees.tokens) == len(roots) and any(t.size > 2 for t, _ in plans)
+        for root, (tree, _), tokens in zip(roots, plans, trees.tokens):
+            assert tokens == m.retrieve(torch.tensor(root), tree).tolist()
+        assert set(roots) <= set(trees.rows)
+        for t, (ids, confidences) in trees.rows.items():
+            assert ids == m.table[t].tolist() and confidences == m.confidence[t].tolist()
+
+
 def test_graft_buffers():
     tree = build_tree([[0], [1], [0, 0]])
     g = graft(tree, [2, 4, 5])  # a chain of three under token index 2 (path [1])

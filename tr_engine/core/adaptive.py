@@ -252,6 +252,8 @@ class AdaptiveTrees:
         self._trees = TreeCache(1024)  # the trees planned lately, by their rank paths
         self.host_s = 0.0  # the drafter's host seconds a sequence of a batched step (retrieve, learn, recycle): a mean
         self._host_n = 0
+        self.tokens: list[list[int]] = []  # the last plan's trees' tokens, and the rows it read (plan)
+        self.rows: dict[int, tuple[list[int], list[float]]] = {}
 
     @property
     def cost(self) -> CostModel | None:
@@ -303,7 +305,11 @@ class AdaptiveTrees:
         tiles (bench/results/forward_cost_*.md), which a line between two sizes would underprice. Candidates are
         taken while a bigger step could still beat the best so far. A batch of more than one drafts only if its best
         plan beats plain decoding by BATCH_MARGIN, its cost counting the drafter's own host work (observe_host), which
-        the plain step it is compared with does without."""
+        the plain step it is compared with does without.
+
+        What the plan read stays for the step's other host work, which runs before the matrix changes (the recycle
+        ends the step): `self.tokens`, each tree's tokens (root first, in the tree's order: what matrix.retrieve would
+        gather), and `self.rows`, the rows it read by token (what learning reads back for the committed path)."""
         if self._since >= self.refresh:
             self._rates, self._since = [stats.rates() for stats in self.stats], 0
         B = len(roots)
@@ -323,10 +329,14 @@ class AdaptiveTrees:
         # The rows through numpy views: a tensor's row index and tolist cost ~10x a numpy array's, dozens a step, each
         # right after a forward has flushed the caches. (A CPU tensor: the matrix itself, or on a GPU its host mirror.)
         ids, confidences = table.numpy(), confidence.numpy()
+        self.rows = rows = {}  # token -> its row's (ids, confidences) as read here (each token's row read once)
 
         def expand(b: int, token: int, path: tuple, p: float) -> None:
             d = min(len(path), DEPTHS - 1)
-            for r, (child, c) in enumerate(zip(ids[token].tolist(), confidences[token].tolist())):
+            row = rows.get(token)
+            if row is None:
+                row = rows[token] = (ids[token].tolist(), confidences[token].tolist())
+            for r, (child, c) in enumerate(zip(*row)):
                 heapq.heappush(heap, (-p * rates[b][d][confidence_bin(c)], b, len(heap), (path + (r,), child)))
 
         def offer(b: int, node: int) -> None:
@@ -372,13 +382,16 @@ class AdaptiveTrees:
             top = -heap[0][0] if heap else 0.0  # no bigger step can win once even the best candidates cannot
             if all((expected + top * (U - total)) / (cost(U) + host) <= best_value for U in sizes if U > total):
                 break
-        paths, chosen = [[] for _ in roots], [[] for _ in roots]
+        paths, chosen, token_of = [[] for _ in roots], [[] for _ in roots], [{} for _ in roots]
         for b, node in taken[:best]:
             if isinstance(node, int):
                 chosen[b].append(node)
             else:
                 paths[b].append(node[0])
-        return [(self.tree(tuple(p)), sorted(c)) for p, c in zip(paths, chosen)]
+                token_of[b][node[0]] = node[1]
+        trees = [self.tree(tuple(p)) for p in paths]
+        self.tokens = [[root] + [tokens[p] for p in tree.paths] for root, tokens, tree in zip(roots, token_of, trees)]
+        return [(tree, sorted(c)) for tree, c in zip(trees, chosen)]
 
     def tree(self, paths: tuple) -> DraftTree:
         """The tree of these rank paths (built once, kept while it recurs)."""

@@ -115,7 +115,9 @@ class TokenRecycling:
         return cls(setup.matrix, setup.tree, setup.adaptive)
 
     def propose(self, history: list[int]) -> Draft:
-        return self.draft(history, self.plan(history)[0] if self.adaptive else self.tree)
+        if self.adaptive is None:
+            return self.draft(history, self.tree)
+        return self.draft(history, self.plan(history)[0], self.adaptive.tokens[0])
 
     def propose_batch(self, histories: list[list[int]]) -> list[Draft]:
         """One batched step's drafts: with the adaptive tree, planned together (AdaptiveTrees.plan)."""
@@ -123,7 +125,7 @@ class TokenRecycling:
             return [self.propose(h) for h in histories]
         table, confidence = self.matrix.host()
         plans = self.adaptive.plan(table, confidence, [h[-1] for h in histories], [len(h) for h in histories])
-        return [self.draft(h, tree) for h, (tree, _) in zip(histories, plans)]
+        return [self.draft(h, tree, tokens) for h, (tree, _), tokens in zip(histories, plans, self.adaptive.tokens)]
 
     def plan(self, history: list[int], extra: Candidates | None = None) -> tuple[DraftTree, list[int]]:
         """The adaptive tree for this step (from the root's candidates in the matrix) and the nodes of `extra`
@@ -131,17 +133,26 @@ class TokenRecycling:
         table, confidence = self.matrix.host()  # (on a GPU a CPU mirror: the plan reads many rows)
         return self.adaptive.plan(table, confidence, [history[-1]], [len(history)], extra and [extra])[0]
 
-    def draft(self, history: list[int], tree: DraftTree) -> Draft:
-        root = torch.tensor(history[-1], device=self.matrix.table.device)
-        return Draft(tree, self.matrix.retrieve(root, tree), root=history[-1], prefix=len(history),
-                     sources=[0] + [MATRIX] * (tree.size - 1))
+    def draft(self, history: list[int], tree: DraftTree, tokens: list[int] | None = None) -> Draft:
+        """The draft of `tree` from the history's last token: its tokens gathered from the matrix, or `tokens` where
+        the plan that chose the tree read them already (AdaptiveTrees.tokens: one copy, not a gather a depth)."""
+        device = self.matrix.table.device
+        if tokens is None:
+            tokens = self.matrix.retrieve(torch.tensor(history[-1], device=device), tree)
+        else:
+            tokens = torch.tensor(tokens, dtype=torch.long, device=device)
+        return Draft(tree, tokens, root=history[-1], prefix=len(history), sources=[0] + [MATRIX] * (tree.size - 1))
 
     def learn(self, draft: Draft, committed: list[int], seconds: float = 0.0) -> None:
         if self.adaptive is not None:  # how the committed path fared in the rows that drafted it (before recycling)
-            table, confidence = self.matrix.host()  # (CPU tensors: read through numpy, as the plan reads them)
             path = [draft.root] + committed[:-1]
-            self.adaptive.observe(table.numpy()[path].tolist(), confidence.numpy()[path].tolist(), committed,
-                                  draft.context)
+            read = self.adaptive.rows  # (the rows this step's plan read, unchanged until the recycle after this)
+            if all(t in read for t in path):
+                ids, confidences = [read[t][0] for t in path], [read[t][1] for t in path]
+            else:  # (a path through another source's nodes, or a static tree: CPU tensors, read through numpy)
+                table, confidence = self.matrix.host()
+                ids, confidences = table.numpy()[path].tolist(), confidence.numpy()[path].tolist()
+            self.adaptive.observe(ids, confidences, committed, draft.context)
             if seconds > 0.0:
                 self.adaptive.observe_step(draft.tree.size, draft.prefix, seconds)
 

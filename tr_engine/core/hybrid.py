@@ -72,10 +72,10 @@ class Hybrid:
         (found, ngram), offered = self.lookup.match(history), self.offered(history)
         extra = self.candidates(history, found, offered, ngram)
         if self.tr.adaptive is not None:
-            tree, chosen = self.tr.plan(history, extra)
+            (tree, chosen), tokens = self.tr.plan(history, extra), self.tr.adaptive.tokens[0]
         else:  # the static tree, every candidate added (as many as the verify may take)
-            tree, chosen = self.tr.tree, list(range(1, len(extra.parent)))
-        draft = replace(self.compose(history, tree, extra, chosen, found), chain_ngram=ngram, suffix=offered,
+            tree, chosen, tokens = self.tr.tree, list(range(1, len(extra.parent))), None
+        draft = replace(self.compose(history, tree, extra, chosen, found, tokens), chain_ngram=ngram, suffix=offered,
                         context=context_of(extra))
         return draft if self.max_tokens is None else draft.cut(self.max_tokens)
 
@@ -89,8 +89,9 @@ class Hybrid:
         table, confidence = self.matrix.host()
         plans = self.tr.adaptive.plan(table, confidence, [h[-1] for h in histories], [len(h) for h in histories],
                                       extras)
-        return [replace(self.compose(h, tree, x, chosen, f), chain_ngram=n, suffix=o, context=context_of(x))
-                for h, f, n, o, x, (tree, chosen) in zip(histories, found, ngrams, offered, extras, plans)]
+        return [replace(self.compose(h, tree, x, chosen, f, t), chain_ngram=n, suffix=o, context=context_of(x))
+                for h, f, n, o, x, (tree, chosen), t in zip(histories, found, ngrams, offered, extras, plans,
+                                                            self.tr.adaptive.tokens)]
 
     def offered(self, history: list[int]) -> Continuations | None:
         """The suffix index's continuations of the history (None without an index, or when it knows nothing)."""
@@ -117,10 +118,11 @@ class Hybrid:
         return suffix.merged(chain) if found else suffix
 
     def compose(self, history: list[int], tree: DraftTree, extra: Candidates, chosen: list[int],
-                found: list[int]) -> Draft:
-        """The draft of `tree` from the matrix with the `chosen` nodes of `extra` (parents first) grafted in: each
-        follows the tree while the tree already drafts its token, and hangs under its parent where it does not."""
-        draft = replace(self.tr.draft(history, tree), chain=found)
+                found: list[int], tokens: list[int] | None = None) -> Draft:
+        """The draft of `tree` from the matrix (its `tokens` where the plan read them) with the `chosen` nodes of
+        `extra` (parents first) grafted in: each follows the tree while the tree already drafts its token, and hangs
+        under its parent where it does not."""
+        draft = replace(self.tr.draft(history, tree, tokens), chain=found)
         tokens, sources, n = draft.tokens.tolist(), draft.sources, tree.size
         at, parents, new, added = {0: 0}, [], [], {}  # extra node -> token index; the grafted nodes
         for i in chosen:
