@@ -30,21 +30,27 @@ class Server:
     """`python -m tr_engine.serve` in a child process, on a free port; stop() sends SIGTERM and waits."""
 
     def __init__(self, model: str, *flags: str, launcher: tuple[str, ...] = (), env: dict | None = None):
-        self.port = free_port()
-        self.process = subprocess.Popen([sys.executable, *launcher, "-m", "tr_engine.serve", "--model", model,
-                                         "--port", str(self.port), *flags], cwd=ROOT, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, env=env and {**os.environ, **env})
-        deadline = time.time() + 180
-        while True:
-            try:
-                if self.get("/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if self.process.poll() is not None:
-                raise AssertionError(f"the server exited with {self.process.returncode}: {self.process.stdout.read()}")
-            assert time.time() < deadline, "the server did not answer /health within 180 s"
-            time.sleep(0.2)
+        for attempt in range(3):  # a free port can be taken before the server binds it (another worker's socket)
+            self.port = free_port()
+            self.process = subprocess.Popen([sys.executable, *launcher, "-m", "tr_engine.serve", "--model", model,
+                                             "--port", str(self.port), *flags], cwd=ROOT, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True, env=env and {**os.environ, **env})
+            deadline = time.time() + 180
+            while True:
+                try:
+                    if self.get("/health")[0] == 200:
+                        break
+                except OSError:
+                    pass
+                if self.process.poll() is not None:
+                    said = self.process.stdout.read()
+                    if "Address already in use" in said and attempt < 2:
+                        break
+                    raise AssertionError(f"the server exited with {self.process.returncode}: {said}")
+                assert time.time() < deadline, "the server did not answer /health within 180 s"
+                time.sleep(0.2)
+            if self.process.poll() is None:
+                break
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
                                     timeout=120)
         self.model = self.client.models.list().data[0].id
