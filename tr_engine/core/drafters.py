@@ -149,7 +149,7 @@ class TokenRecycling:
             read = self.adaptive.rows  # (the rows this step's plan read, unchanged until the recycle after this)
             if all(t in read for t in path):
                 ids, confidences = [read[t][0] for t in path], [read[t][1] for t in path]
-            else:  # (a path through another source's nodes, or a static tree: CPU tensors, read through numpy)
+            else:  # (a path through a node another source drafted, whose row the plan did not read: via numpy)
                 table, confidence = self.matrix.host()
                 ids, confidences = table.numpy()[path].tolist(), confidence.numpy()[path].tolist()
             self.adaptive.observe(ids, confidences, committed, draft.context)
