@@ -6,6 +6,7 @@
 #include "../csrc/cpu/kernels/api.h"
 #include "../csrc/cpu/kernels/numbers.h"
 #include "../csrc/cpu/kernels/packing.h"
+#include "../csrc/cpu/kernels/parallel.h"
 
 #include <dlfcn.h>
 #if defined(__x86_64__)
@@ -13,6 +14,8 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -320,6 +323,54 @@ void layers(const Kernels& table, const char* name) {
 
 }  // namespace
 
+// claimed_for (parallel.h, compiled here) on a pool of `threads` threads, one per share, the thread of share `late`
+// starting `delay_ms` late: every unit runs exactly once, a thread's own run comes in order (first marked, next
+// foreseen), and where one thread starts late the others take its units.
+struct Pool {
+  int64_t threads = 1, late = -1, delay_ms = 0;
+};
+Pool pool;
+thread_local int64_t pool_worker = -1;
+
+void pool_for(int64_t begin, int64_t end, int64_t grain, ParallelBody body, void* ctx) {
+  std::vector<std::thread> workers;
+  for (int64_t i = begin; i < end; ++i)
+    workers.emplace_back([=] {
+      pool_worker = i;
+      if (i == pool.late) std::this_thread::sleep_for(std::chrono::milliseconds(pool.delay_ms));
+      body(ctx, i, i + 1);
+    });
+  for (auto& w : workers) w.join();
+}
+const Host kPool{&pool_for, [] { return static_cast<int>(pool.threads); }};
+
+void claims(int64_t n, int64_t threads, int64_t late, int64_t delay_ms) {
+  pool = {threads, late, delay_ms};
+  const Host* before = bound_host();
+  bound_host() = &kPool;
+  std::vector<std::atomic<int>> runs(n);
+  std::vector<int64_t> by(n, -1);
+  std::atomic<int> bad_next{0}, firsts{0};
+  claimed_for(n, [&](int64_t b, bool first, int64_t next) {
+    runs[b].fetch_add(1);
+    by[b] = pool_worker;
+    firsts += first;
+    if (next != -1 && next != b + 1) ++bad_next;
+  });
+  bound_host() = before;
+  const std::string what = std::to_string(n) + " units on " + std::to_string(threads) + " threads" +
+                           (late >= 0 ? ", share " + std::to_string(late) + " late" : "");
+  check(std::all_of(runs.begin(), runs.end(), [](const std::atomic<int>& r) { return r.load() == 1; }),
+        "claimed_for: every unit runs once, " + what);
+  check(bad_next == 0 && firsts >= 1, "claimed_for: a thread's own run in order, " + what);
+  if (late >= 0) {
+    const int64_t p = std::min(threads, n), own = n * (late + 1) / p - n * late / p;
+    const int64_t by_late = std::count(by.begin(), by.end(), late);
+    check(by_late < own, "claimed_for: the others take the late share's units (" + std::to_string(by_late) + " of " +
+                             std::to_string(own) + " left to it), " + what);
+  }
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s TIER_LIBRARY\n", argv[0]);
@@ -344,6 +395,11 @@ int main(int argc, char** argv) {
   std::printf("tier %s (table version %d)\n", table.tier, table.abi);
   check(table.abi == kAbiVersion, "the library's table version is this harness's");
   conversions();
+  claims(10, 2, 1, 100);
+  claims(10, 2, 0, 100);
+  claims(7, 5, -1, 0);
+  claims(3, 5, 2, 50);
+  claims(1000, 3, -1, 0);
   matmuls<float>(table, "float32");
   matmuls<bf16>(table, "bfloat16");
   matmuls<f16>(table, "float16");

@@ -629,10 +629,11 @@ inline void rows(const bf16* x, int64_t ldx, const bf16* wp, bf16* y, int64_t ro
 }  // namespace amx
 #endif
 
-// Threads split the blocks of w (each block is 32 x K contiguous values, read once per chunk of rows from memory);
-// inside a block, the chunk's rows go in tiles of at most kPackRows (cut as kFullTiles says). A block that one pass covers (a
-// decode step's row, a few rows of float32) streams straight from memory, its lines asked for ahead; any other goes
-// through block_in_chunks (float32, and bf16 widened into floats, a K-chunk at a time; other half types a block).
+// Threads claim the blocks of w (claimed_for: each block is 32 x K contiguous values, read once per chunk of rows from
+// memory); inside a block, the chunk's rows go in tiles of at most kPackRows (cut as kFullTiles says). A block that
+// one pass covers (a decode step's row, a few rows of float32) streams straight from memory, its lines asked for ahead;
+// any other goes through block_in_chunks (float32, and bf16 widened into floats, a K-chunk at a time; other half types
+// a block).
 template <typename T>
 void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64_t groups, int64_t N) {
 #if defined(TR_ENGINE_AMX)
@@ -655,31 +656,29 @@ void packed_rows(const T* x, int64_t ldx, const T* wp, T* y, int64_t rows, int64
                      : tiles_as_float(x + t0 * ldx, ldx, chunk, tiles, 2 * groups);
     else if constexpr (floats)
       xf = rows_as_float(x + t0 * ldx, ldx, chunk);
-    parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int valid = static_cast<int>(std::min(kPackBlock, N - b * kPackBlock));
-        const T* wb = wp + b * block_size;
-        T* yb = y + t0 * N + b * kPackBlock;
-        const T* next_block = b + 1 < b1 ? wb + block_size : nullptr;
-        if (as_floats) {
-          block_in_chunks<widens<T>()>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid, b == b0,
-                                       next_block);
-          continue;
-        }
-        if (block_passes(chunk, tiles, valid, kFullTiles && std::is_same_v<T, float>) > 1) {
-          block_in_chunks<false>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid, b == b0, next_block);
-          continue;
-        }
-        Prefetch plan;
-        plan.lead = true;  // (its stream runs on into the next block)
-        with_rows<kPackRows>(static_cast<int>(chunk), [&](auto rows_constant) {
-          constexpr int R = decltype(rows_constant)::value, V = tile_vecs(R);
-          if constexpr (bf16_pairs)
-            pass_bf16<R, V>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, 0, valid, plan);
-          else
-            pass_p1<R, V>(xf, ldx, wb, groups, yb, N, 0, valid, plan);
-        });
+    claimed_for(blocks, [&](int64_t b, bool first, int64_t next) {
+      const int valid = static_cast<int>(std::min(kPackBlock, N - b * kPackBlock));
+      const T* wb = wp + b * block_size;
+      T* yb = y + t0 * N + b * kPackBlock;
+      const T* next_block = next >= 0 ? wp + next * block_size : nullptr;
+      if (as_floats) {
+        block_in_chunks<widens<T>()>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid, first,
+                                     next_block);
+        return;
       }
+      if (block_passes(chunk, tiles, valid, kFullTiles && std::is_same_v<T, float>) > 1) {
+        block_in_chunks<false>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, chunk, tiles, valid, first, next_block);
+        return;
+      }
+      Prefetch plan;
+      plan.lead = true;  // (its stream runs on into the next block)
+      with_rows<kPackRows>(static_cast<int>(chunk), [&](auto rows_constant) {
+        constexpr int R = decltype(rows_constant)::value, V = tile_vecs(R);
+        if constexpr (bf16_pairs)
+          pass_bf16<R, V>(xf, x + t0 * ldx, ldx, wb, groups, yb, N, 0, valid, plan);
+        else
+          pass_p1<R, V>(xf, ldx, wb, groups, yb, N, 0, valid, plan);
+      });
     });
   }
 }
