@@ -43,14 +43,15 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 // Under a static split a thread that runs slower (its memory's share of the moment, a late start, the other running
 // its caller's own work) holds the other at the region's end; claiming, the faster one takes the slower one's last
 // b's. packed_rows' blocks, SmolLM2 on a 2-core Zen 4 (avx512bf16): with the static split the calling thread spent 8%
-// of a bf16 hybrid generation waiting in the pool's barriers, 4% claiming (perf); bench.ab against the static split:
+// of a bf16 hybrid generation waiting in the pool's barriers, 4% once they claim (perf); bench.ab against the split:
 // hybrid 1.034x in bf16 (fp32 1.001x), batch 4 1.029x, plain decoding 1.001x (a row streams the weights at the
 // memory's pace on either thread). Where b runs changes no bit of it. (The amx tier's tiles keep the static split.)
 template <typename F>
 void claimed_for(int64_t n, const F& f) {
   constexpr int64_t kMaxShares = 64;
   const int64_t p = std::min<int64_t>(pool_threads(), n);
-  if (p <= 1 || p > kMaxShares) {  // (serial, or a pool wider than the shares kept here: a static split)
+  // (Serial; or a static split for a pool wider than the shares kept here, or more units than 32 bits count.)
+  if (p <= 1 || p > kMaxShares || n > int64_t{0xffffffff}) {
     parallel_for(0, n, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) f(b, b == b0, b + 1 < b1 ? b + 1 : -1);
     });
