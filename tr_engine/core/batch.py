@@ -246,8 +246,9 @@ def batch_steps(model: Llama, cache: BatchKVCache, requests, drafter, eos_ids: t
                 continue
             order = sorted(active.values(), key=lambda r: r.id)  # request order: the order they recycle in
             slots = [r.slot for r in order]
-            drafting = drafter if (plain_above is None or len(order) <= plain_above) and not (
-                plain_for and len(order) >= plain_size) else None
+            if len(order) < plain_size:  # the batch shrank: its plain spell ends, the next step plans again
+                plain_for = 0
+            drafting = drafter if (plain_above is None or len(order) <= plain_above) and not plain_for else None
             plain_for = max(plain_for - 1, 0)
             limits = None if all(r.max_draft is None for r in order) else [
                 None if r.max_draft is None else r.max_draft + 1 for r in order]
