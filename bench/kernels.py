@@ -79,10 +79,11 @@ def model_matmul_cases(ops, c, device):
             shape = f"T={T}, {len(weights)} projections ({sum(w.numel() for w in weights) / 1e6:.0f}M weights) {name}"
             moved = dtype.itemsize * sum(n * k + T * (n + k) for n, k in projections(c))  # weights, x, y
             flops = 2 * T * sum(n * k for n, k in projections(c))
+            bf16 = dtype == torch.bfloat16  # (set against the tier's bf16 peak: its pair dot product's, if it has one)
             stock = lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights]  # noqa: E731
             if cpu:
                 yield "packed_linear", shape, {
-                    "bytes": moved, "flops": flops,
+                    "bytes": moved, "flops": flops, "bf16": bf16,
                     "ours": lambda xs=xs: [ops.packed_linear(xs[w.shape[1]], p.data, p.n)
                                            for w, p in zip(weights, packed)],
                     "stock": stock,
@@ -90,7 +91,7 @@ def model_matmul_cases(ops, c, device):
                                                 for w, p in zip(weights, packed)]}
             if T <= 16:
                 yield "skinny_linear", shape, {
-                    "bytes": moved, "flops": flops,
+                    "bytes": moved, "flops": flops, "bf16": bf16,
                     "ours": lambda xs=xs: [ops.skinny_linear(xs[w.shape[1]], w) for w in weights], "stock": stock,
                     "reference": lambda xs=xs: [reference.skinny_linear(xs[w.shape[1]], w) for w in weights]}
         del weights, packed
@@ -164,26 +165,35 @@ def measure(device: str, shape: str, reps: int, only=None, log=print, config=Non
     (the ceiling of these memory-bound ops)."""
     ops = load_ops("kernels")
     peak = copy_bandwidth(device)
-    fma = multiply_add_peak() if device == "cpu" else None
-    read = read_bandwidth() if fma is not None else None  # (a matmul's weights are read, not copied)
+    # The tier's arithmetic peaks: float32's and float16's multiply-add, and bf16's (the pair dot product's, twice the
+    # work an instruction, where the tier has it: the avx512bf16 and amx tiers' vectors).
+    peaks = {False: multiply_add_peak(), True: multiply_add_peak(bf16=True)} if device == "cpu" else None
     rows = []
     with torch.inference_mode():
         for op, what, impls in cases(ops, config or SHAPES[shape], device):
             if only and op not in only:
                 continue
-            moved, flops = impls.pop("bytes"), impls.pop("flops", None)
+            moved, flops, bf16 = impls.pop("bytes"), impls.pop("flops", None), impls.pop("bf16", False)
+            fma = peaks[bf16] if peaks is not None else None
             reference_fn = impls.pop("reference")  # slow by design: fewer calls, timed on its own
+            # The memory floor takes the read bandwidth of the moment, the better of a measurement just before the
+            # row's calls and one just after: this host's memory runs 10-30% slower in some minutes than in others,
+            # and one measurement at the start of a run put a bf16 plain step's projections, timed in a fast spell,
+            # at 131% of their floor.
+            roofline = flops is not None and fma is not None
+            read = read_bandwidth(reps=3) if roofline else None
             ms = {**median_ms(impls, reps, device), **median_ms({"reference": reference_fn}, max(reps // 5, 3), device)}
             gb_s = moved / (ms["ours"] / 1e3) / 1e9
             rows.append({"op": op, "shape": what, **{f"{k}_ms": v for k, v in ms.items()},
                          "vs_stock": ms["stock"] / ms["ours"], "vs_reference": ms["reference"] / ms["ours"],
                          "bytes": moved, "gb_s": gb_s, "peak_gb_s": peak, "of_peak": gb_s / peak})
-            if flops is not None and fma is not None:  # the roofline: the larger of the memory and compute floors
+            if roofline:  # the larger of the memory and compute floors
+                read = max(read, read_bandwidth(reps=3))
                 floors = {"memory": 1e3 * moved / (read * 1e9), "compute": 1e3 * flops / (fma * 1e9)}
                 bound = max(floors, key=floors.get)
-                rows[-1].update(flops=flops, gflops=flops / ms["ours"] / 1e6, fma_gflops=fma, read_gb_s=read,
-                                of_fma=flops / ms["ours"] / 1e6 / fma, floor_ms=floors[bound], bound=bound,
-                                of_floor=floors[bound] / ms["ours"])
+                rows[-1].update(flops=flops, gflops=flops / ms["ours"] / 1e6, fma_gflops=fma, bf16_peak=bf16,
+                                read_gb_s=read, of_fma=flops / ms["ours"] / 1e6 / fma, floor_ms=floors[bound],
+                                bound=bound, of_floor=floors[bound] / ms["ours"])
             log(f"{op:16} {what:45} ours {ms['ours']:8.3f} ms  stock {ms['stock']:8.3f} ms  "
                 f"({rows[-1]['vs_stock']:.2f}x)  {gb_s:7.1f} GB/s ({gb_s / peak:.0%} of {peak:.0f})"
                 + (f"  {rows[-1]['gflops']:6.1f} GFLOPS ({rows[-1]['of_fma']:.0%} of {fma:.0f}), "
@@ -193,7 +203,7 @@ def measure(device: str, shape: str, reps: int, only=None, log=print, config=Non
 
 def table(rows: list[dict]) -> list[str]:
     lines = ["| op | shape | ours ms | stock PyTorch ms | ours vs stock | reference ms | ours GB/s | of copy peak | "
-             "ours GFLOPS | of FMA peak | floor ms | of floor |",
+             "ours GFLOPS | of peak | floor ms | of floor |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         roof = (f"{r['gflops']:.1f} | {r['of_fma']:.0%} | {r['floor_ms']:.3f} ({r['bound']}) | {r['of_floor']:.0%}"
@@ -234,19 +244,28 @@ def main(argv=None) -> int:
     rows = measure(args.device, args.shape, args.reps, args.only, log=lambda line: print(line, flush=True),
                    config=config)
     kind = "CPU" if args.device == "cpu" else "CUDA"
+    peaks = {r["bf16_peak"]: r["fma_gflops"] for r in rows if "gflops" in r}  # (float's and bf16's, as measured)
+    reads = [r["read_gb_s"] for r in rows if "gflops" in r]
+    which = {False: "float32 and float16 (the float multiply-add)",
+             True: "bfloat16 (the pair dot product where the tier has it)"}
     lines = [f"# {kind} kernels against stock PyTorch and their references ({args.shape} shapes)", "",
              f"Machine: {machine_line(info)}. Median of {args.reps} calls (references: fewer)"
              + (", each synchronised." if args.device == "cuda" else ".")
              + (f" GB/s: the fewest bytes a call must move over its time, against the {rows[0]['peak_gb_s']:.0f} "
                 "GB/s copy bandwidth measured in the same run." if rows else "")
-             + (f" GFLOPS (the matmuls): 2 x rows x weights over the time, against the tier's multiply-add peak on "
-                f"these threads, {rows[-1]['fma_gflops']:.0f} GFLOPS (bench.machine.multiply_add_peak: independent "
-                "chains of the kernels' own vector multiply-adds, no memory). Floor: the larger of the memory floor "
-                f"(bytes / the read bandwidth, {rows[-1]['read_gb_s']:.0f} GB/s, bench.machine.read_bandwidth) and "
-                "the compute floor (FLOPs / FMA peak), the roofline; of floor = floor / ours."
-                + (" On the amx tier the bf16 matmuls run on AMX's tiles, not the vector units, so they pass that "
-                   "peak and its floor: read their float32 and float16 rows against it." if tier == "amx" else "")
-                if any("gflops" in r for r in rows) else ""), "", *table(rows)]
+             + (" GFLOPS (the matmuls): 2 x rows x weights over the time, against the tier's arithmetic peak on "
+                "these threads (bench.machine.multiply_add_peak: independent chains of the kernels' own vector "
+                "instructions, no memory): "
+                + "; ".join(f"{peak:.0f} GFLOPS for {which[bf16]}" for bf16, peak in sorted(peaks.items()))
+                + ". Floor: the larger of the memory floor "
+                f"(bytes / the read bandwidth, {min(reads):.0f}-{max(reads):.0f} GB/s in this run: "
+                "bench.machine.read_bandwidth, the better of a measurement just before a row's calls and one just "
+                "after, as this host's memory is faster in some minutes than in others) and "
+                "the compute floor (FLOPs / that peak), the roofline; of floor = floor / ours."
+                + (" On the amx tier the bf16 matmuls run on AMX's tiles, not the vector units, so they pass the "
+                   "vectors' bf16 peak and its floor: read their float32 and float16 rows against theirs."
+                   if tier == "amx" else "")
+                if peaks else ""), "", *table(rows)]
     lines += ["", "stock: tree attention = `scaled_dot_product_attention` with a boolean mask, the query heads of "
               "each KV head folded into rows (as the model does without the op); recycle = `topk` + indexed "
               "assignment (its duplicate winner is unspecified); compaction = `index_select` + copy; skinny_linear "

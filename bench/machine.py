@@ -114,17 +114,18 @@ def read_bandwidth(n_bytes: int = 2**28, reps: int = 7) -> float:
     return n_bytes / statistics.median(times) / 1e9
 
 
-def multiply_add_peak(reps: int = 5) -> float | None:
+def multiply_add_peak(reps: int = 5, bf16: bool = False) -> float | None:
     """The active CPU tier's arithmetic peak in GFLOPS on torch's threads: the best of `reps` timed runs of its
-    independent multiply-add chains (csrc/cpu/kernels/peak.h, ~0.03-0.1 s each); None where the ops are not built.
-    The compute floor of a matmul is its FLOPs over this, as its memory floor is its bytes over the bandwidth."""
+    independent multiply-add chains (csrc/cpu/kernels/peak.h, ~0.03-0.1 s each); with `bf16`, of its bf16 arithmetic
+    (the pair dot product where the tier has it: twice the float rate); None where the ops are not built. The compute
+    floor of a matmul is its FLOPs over this, as its memory floor is its bytes over the bandwidth."""
     from tr_engine.model import cpu
 
     if cpu_tier() == "none":
         return None
     units = 256 * torch.get_num_threads()
-    cpu.multiply_add_peak(units // 8)  # (the threads awake)
-    return max(cpu.multiply_add_peak(units) for _ in range(reps))
+    cpu.multiply_add_peak(units // 8, bf16)  # (the threads awake)
+    return max(cpu.multiply_add_peak(units, bf16) for _ in range(reps))
 
 
 def status_kb(pid: int | str, field: str) -> int:

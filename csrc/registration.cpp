@@ -99,8 +99,9 @@ TORCH_LIBRARY(tr_engine, m) {
   m.def("use_cpu_tier(str name, str path, str[] needs) -> ()", &tr_engine_cpu::use_cpu_tier);
   m.def("cpu_tier() -> str", &tr_engine_cpu::cpu_tier);
   // multiply_add_peak: the active tier's arithmetic peak in GFLOPS, `units` units of independent multiply-adds on
-  // every thread of torch's pool (csrc/cpu/kernels/peak.h), timed: what bench/ sets the kernels' FLOPs against.
-  m.def("multiply_add_peak(int units) -> float", &tr_engine_cpu::multiply_add_peak);
+  // every thread of torch's pool (csrc/cpu/kernels/peak.h), timed: what bench/ sets the kernels' FLOPs against; with
+  // `bf16`, its bf16 arithmetic's (the pair dot product's, twice the multiply-add's work, where the tier has it).
+  m.def("multiply_add_peak(int units, bool bf16=False) -> float", &tr_engine_cpu::multiply_add_peak);
 }
 
 // `import tr_engine._C` loads this library, which runs the registrations above; the module itself is empty.

@@ -371,6 +371,17 @@ void claims(int64_t n, int64_t threads, int64_t late, int64_t delay_ms) {
   }
 }
 
+// The peak loops' counts (what bench.kernels sets the matmuls against): bf16's does twice the float loop's work where
+// the tier has the pair dot product (two products and two sums a lane, not one of each), the same elsewhere, where
+// bf16 is widened to floats.
+void peaks(const Kernels& table) {
+  const double fma = table.multiply_adds(1), pairs = table.bf16_multiply_adds(1);
+  const std::string tier = table.tier;
+  const double expected = tier == "avx512bf16" || tier == "amx" ? 2.0 : 1.0;
+  std::printf("peak loops: %.0f float FLOPs, %.0f bf16 FLOPs a unit\n", fma, pairs);
+  check(fma > 0 && pairs == expected * fma, "the bf16 peak loop counts the pair dot product's work");
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s TIER_LIBRARY\n", argv[0]);
@@ -395,6 +406,7 @@ int main(int argc, char** argv) {
   std::printf("tier %s (table version %d)\n", table.tier, table.abi);
   check(table.abi == kAbiVersion, "the library's table version is this harness's");
   conversions();
+  peaks(table);
   claims(10, 2, 1, 100);
   claims(10, 2, 0, 100);
   claims(7, 5, -1, 0);

@@ -135,7 +135,15 @@ def test_kernels_bench_at_the_tiny_shape(tmp_path):
         assert r["bound"] == max(floors, key=floors.get)
         assert r["floor_ms"] == pytest.approx(floors[r["bound"]]) and r["of_floor"] == pytest.approx(
             r["floor_ms"] / r["ours_ms"])
-    assert "multiply-add peak" in (tmp_path / f"{stem}.md").read_text()
+    # Each dtype against its own peak: bf16 against the tier's bf16 arithmetic (the pair dot product where it has it),
+    # float32 and float16 against the float multiply-add; both named in the header.
+    peaks = {r["bf16_peak"]: r["fma_gflops"] for r in matmuls}
+    assert set(peaks) == {False, True}
+    assert all(r["bf16_peak"] == r["shape"].endswith("bfloat16") and r["fma_gflops"] == peaks[r["bf16_peak"]]
+               for r in matmuls)
+    text = (tmp_path / f"{stem}.md").read_text()
+    assert f"{peaks[False]:.0f} GFLOPS for float32 and float16" in text
+    assert f"{peaks[True]:.0f} GFLOPS for bfloat16" in text
 
 
 def test_kernels_bench_takes_its_shapes_from_a_model(tiny_factory, tmp_path):

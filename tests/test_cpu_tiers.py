@@ -54,14 +54,16 @@ def test_the_default_is_the_best_tier_this_cpu_runs(monkeypatch):
     assert CPU_TIERS[-1] == "scalar"  # the last resort runs anywhere
 
 
-def test_every_tier_measures_its_multiply_add_peak(cpu_tier):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_every_tier_measures_its_multiply_add_peak(cpu_tier, bf16):
     """cpu.multiply_add_peak: the active tier's independent vector multiply-adds on torch's threads, timed (the
-    compute floor bench.kernels sets the matmuls against); no work is a one-line error."""
+    compute floor bench.kernels sets the matmuls against), and with bf16 its bf16 arithmetic's (the pair dot product
+    where the tier has it); no work is a one-line error."""
     assert cpu.active() == cpu_tier
-    rate = cpu.multiply_add_peak(2)
+    rate = cpu.multiply_add_peak(2, bf16)
     assert math.isfinite(rate) and rate > 0
     with pytest.raises(RuntimeError, match="units must be positive, got 0"):
-        cpu.multiply_add_peak(0)
+        cpu.multiply_add_peak(0, bf16)
 
 
 @pytest.mark.parametrize("name", CPU_TIERS)

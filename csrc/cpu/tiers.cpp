@@ -119,12 +119,12 @@ void use_cpu_tier(const std::string& name, const std::string& path, const std::v
 }
 
 // The active tier's multiply-add rate in GFLOPS: `units` units of its peak loop (kernels/peak.h) over the thread pool,
-// timed.
-double multiply_add_peak(int64_t units) {
+// timed; with `bf16`, the loop of its bf16 arithmetic (the pair dot product's where it has the instruction).
+double multiply_add_peak(int64_t units, bool bf16) {
   TORCH_CHECK(units > 0, "multiply_add_peak: units must be positive, got ", units);
   const Kernels& k = kernels();
   const auto start = std::chrono::steady_clock::now();
-  const double flops = k.multiply_adds(units);
+  const double flops = bf16 ? k.bf16_multiply_adds(units) : k.multiply_adds(units);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return flops / seconds / 1e9;
 }

@@ -60,7 +60,7 @@ inline void top_k_rows(int64_t* table, int64_t k, const int64_t* tokens, const b
 std::vector<std::string> cpu_features();
 void use_cpu_tier(const std::string& name, const std::string& path, const std::vector<std::string>& needs);
 std::string cpu_tier();
-double multiply_add_peak(int64_t units);
+double multiply_add_peak(int64_t units, bool bf16);
 
 }  // namespace tr_engine_cpu
 

@@ -193,11 +193,12 @@ def active() -> str:
         return ""
 
 
-def multiply_add_peak(units: int) -> float:
+def multiply_add_peak(units: int, bf16: bool = False) -> float:
     """The active tier's arithmetic rate in GFLOPS: `units` units of independent multiply-add chains on every thread
-    of torch's pool, timed (csrc/cpu/kernels/peak.h). A benchmark's compute floor; bench.machine takes the best of a
-    few runs."""
-    return _ops().multiply_add_peak(units)
+    of torch's pool, timed (csrc/cpu/kernels/peak.h); with `bf16`, the rate of its bf16 arithmetic (the AVX512-BF16
+    pair dot product, twice the float multiply-add's work an instruction, where the tier has it; elsewhere the
+    multiply-add's). A benchmark's compute floor; bench.machine takes the best of a few runs."""
+    return _ops().multiply_add_peak(units, bf16)
 
 
 def tier_of(ops, device) -> str | None:

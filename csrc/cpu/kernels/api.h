@@ -13,7 +13,7 @@ namespace tr_engine_cpu {
 
 // Raised whenever this file changes what a table holds: the op library refuses a tier library of another version
 // (a stale build) instead of calling through a table it would misread.
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 
 // Output rows per block of a packed weight (pack_linear's layout, the same on every tier).
 constexpr int64_t kPackBlock = 32;
@@ -111,8 +111,10 @@ struct Kernels {
   TypedKernels<bf16> bfloat16;
   TypedKernels<f16> float16;
   // `units` fixed units of independent multiply-adds over the thread pool (peak.h); returns the FLOPs done, for the
-  // caller to time: the tier's arithmetic peak.
+  // caller to time: the tier's arithmetic peak, for float32 and float16 (multiply_adds) and for bf16
+  // (bf16_multiply_adds: the pair dot product's where the tier has it).
   double (*multiply_adds)(int64_t units);
+  double (*bf16_multiply_adds)(int64_t units);
 };
 
 // The table's entries for element type T.

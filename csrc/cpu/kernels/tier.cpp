@@ -30,7 +30,7 @@ constexpr TypedKernels<T> typed_kernels() {
 }
 
 const Kernels kTable{kAbiVersion, kTier, typed_kernels<float>(), typed_kernels<double>(), typed_kernels<bf16>(),
-                     typed_kernels<f16>(), &multiply_adds};
+                     typed_kernels<f16>(), &multiply_adds<false>, &multiply_adds<true>};
 
 }  // namespace
 }  // namespace tr_engine_cpu
