@@ -167,19 +167,17 @@ def measure(device: str, shape: str, reps: int, only=None, log=print, config=Non
     peak = copy_bandwidth(device)
     # The tier's arithmetic peaks: float32's and float16's multiply-add, and bf16's (the pair dot product's, twice the
     # work an instruction, where the tier has it: the avx512bf16 and amx tiers' vectors).
-    peaks = {False: multiply_add_peak(), True: multiply_add_peak(bf16=True)} if device == "cpu" else None
+    arithmetic = {False: multiply_add_peak(), True: multiply_add_peak(bf16=True)} if device == "cpu" else None
     rows = []
     with torch.inference_mode():
         for op, what, impls in cases(ops, config or SHAPES[shape], device):
             if only and op not in only:
                 continue
             moved, flops, bf16 = impls.pop("bytes"), impls.pop("flops", None), impls.pop("bf16", False)
-            fma = peaks[bf16] if peaks is not None else None
+            fma = arithmetic[bf16] if arithmetic is not None else None
             reference_fn = impls.pop("reference")  # slow by design: fewer calls, timed on its own
-            # The memory floor takes the read bandwidth of the moment, the better of a measurement just before the
-            # row's calls and one just after: this host's memory runs 10-30% slower in some minutes than in others,
-            # and one measurement at the start of a run put a bf16 plain step's projections, timed in a fast spell,
-            # at 131% of their floor.
+            # The memory floor from the read bandwidth of the moment, the better of a measurement just before the
+            # row's calls and one just after (one at the start of a run put rows timed in a fast spell at 131%).
             roofline = flops is not None and fma is not None
             read = read_bandwidth(reps=3) if roofline else None
             ms = {**median_ms(impls, reps, device), **median_ms({"reference": reference_fn}, max(reps // 5, 3), device)}
@@ -244,7 +242,7 @@ def main(argv=None) -> int:
     rows = measure(args.device, args.shape, args.reps, args.only, log=lambda line: print(line, flush=True),
                    config=config)
     kind = "CPU" if args.device == "cpu" else "CUDA"
-    peaks = {r["bf16_peak"]: r["fma_gflops"] for r in rows if "gflops" in r}  # (float's and bf16's, as measured)
+    arithmetic = {r["bf16_peak"]: r["fma_gflops"] for r in rows if "gflops" in r}  # (float's and bf16's peaks)
     reads = [r["read_gb_s"] for r in rows if "gflops" in r]
     which = {False: "float32 and float16 (the float multiply-add)",
              True: "bfloat16 (the pair dot product where the tier has it)"}
@@ -256,7 +254,7 @@ def main(argv=None) -> int:
              + (" GFLOPS (the matmuls): 2 x rows x weights over the time, against the tier's arithmetic peak on "
                 "these threads (bench.machine.multiply_add_peak: independent chains of the kernels' own vector "
                 "instructions, no memory): "
-                + "; ".join(f"{peak:.0f} GFLOPS for {which[bf16]}" for bf16, peak in sorted(peaks.items()))
+                + "; ".join(f"{peak:.0f} GFLOPS for {which[bf16]}" for bf16, peak in sorted(arithmetic.items()))
                 + ". Floor: the larger of the memory floor "
                 f"(bytes / the read bandwidth, {min(reads):.0f}-{max(reads):.0f} GB/s in this run: "
                 "bench.machine.read_bandwidth, the better of a measurement just before a row's calls and one just "
@@ -265,7 +263,7 @@ def main(argv=None) -> int:
                 + (" On the amx tier the bf16 matmuls run on AMX's tiles, not the vector units, so they pass the "
                    "vectors' bf16 peak and its floor: read their float32 and float16 rows against theirs."
                    if tier == "amx" else "")
-                if peaks else ""), "", *table(rows)]
+                if arithmetic else ""), "", *table(rows)]
     lines += ["", "stock: tree attention = `scaled_dot_product_attention` with a boolean mask, the query heads of "
               "each KV head folded into rows (as the model does without the op); recycle = `topk` + indexed "
               "assignment (its duplicate winner is unspecified); compaction = `index_select` + copy; skinny_linear "
